@@ -1,0 +1,56 @@
+"""`moecc compile`: frontend, then the pass pipeline, then the plan."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from moecc.frontend.trace import build_graph
+from moecc.ir import Graph
+from moecc.pass_infra import DumpIR, PassContext, PassManager, PrintAfter, record_trace
+from moecc.passes import PASS_NAMES, default_pipeline
+
+
+def compile_model(
+    model_dir: str | os.PathLike,
+    *,
+    gpu_mem: int | None = None,
+    host_mem: int | None = None,
+    prompt_tokens: int = 512,
+    output_tokens: int = 256,
+    max_batch: int = 1024,
+    dump_dir: str | os.PathLike | None = None,
+    print_after: set[str] | None = None,
+    verify: bool = False,
+) -> tuple[dict[str, Any], Graph]:
+    """Compile the checkpoint at `model_dir`; return (plan, final graph)."""
+    if print_after:
+        unknown = set(print_after) - set(PASS_NAMES) - {"all", "trace"}
+        if unknown:
+            raise ValueError(f"--print-after: unknown pass {sorted(unknown)}; passes: trace, "
+                             f"{', '.join(PASS_NAMES)}, or all")
+    instruments: list[Any] = []
+    if dump_dir is not None:
+        instruments.append(DumpIR(Path(dump_dir)))
+    if print_after:
+        instruments.append(PrintAfter(set(print_after)))
+    start = time.perf_counter()
+    graph, ckpt = build_graph(model_dir)
+    ctx = PassContext(
+        options={"gpu_mem": gpu_mem, "host_mem": host_mem, "prompt_tokens": prompt_tokens,
+                 "output_tokens": output_tokens, "max_batch": max_batch, "checkpoint": ckpt},
+        instruments=instruments,
+        verify=verify,
+    )
+    if verify:
+        from moecc.errors import FrontendError
+        from moecc.verify import verify_graph
+
+        problems = verify_graph(graph)
+        if problems:
+            raise FrontendError(None, "graph", "traced graph is not well-formed:\n  " + "\n  ".join(problems))
+    record_trace(graph, ctx, time.perf_counter() - start)
+    final = PassManager(default_pipeline())(graph, ctx)
+    return final.attrs["plan"], final

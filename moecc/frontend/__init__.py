@@ -1,0 +1,1 @@
+"""Frontend: read a Hugging Face checkpoint directory and build moecc's graph."""

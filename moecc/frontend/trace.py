@@ -1,0 +1,376 @@
+"""Build the model on the meta device, trace every decoder layer with torch.fx, and lower
+the traces into moecc's graph (`build_graph`).
+
+Needs: a checkpoint directory (config.json; weights optional).
+Does: one fx trace per decoder layer with role leaves (see roles.py); glue ops become
+`add`/`mul`/`sigmoid`/`linear` nodes, shape-only ops (view, reshape, shape reads) vanish
+because the runtime keeps hidden states flat as [T, H].
+Guarantees: a graph with property "traced"; every node tagged with role, shape, FLOPs per
+token and weight refs by checkpoint tensor name; no weight is materialised.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from moecc.errors import CheckpointError, FrontendError, UnsupportedModelError
+from moecc.frontend.checkpoint import Checkpoint, read_checkpoint
+from moecc.frontend.roles import classify, norm_eps
+from moecc.frontend.weights import WeightResolver
+from moecc.ir import Graph, ModelInfo, Node
+
+SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+_ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+
+
+class _RoleTracer(torch.fx.Tracer):
+    """Modules with a moecc role (and plain nn.Linear) stay leaves."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return classify(m) is not None or isinstance(m, nn.Linear)
+
+
+class _LayerCall(nn.Module):
+    """A decoder layer with explicit arguments, so fx can trace it."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.layer(h, position_embeddings=(cos, sin), attention_mask=None)
+
+
+def _dtype_name(dt: Any) -> str:
+    if isinstance(dt, torch.dtype):
+        return str(dt).removeprefix("torch.")
+    if isinstance(dt, str) and dt not in ("auto", ""):
+        return dt
+    return "float32"
+
+
+def load_config(ckpt: Checkpoint):
+    """transformers' config object for the checkpoint, checked against what moecc supports."""
+    model_type = ckpt.config.get("model_type")
+    archs = ckpt.config.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(model_type, model_type)]
+    if not model_type:
+        raise CheckpointError(
+            f"{ckpt.directory}/config.json: no 'architectures' or 'model_type'; is this a "
+            f"transformers causal-LM checkpoint?"
+        )
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{ckpt.directory}: architecture {archs[0]} is not supported yet; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(ckpt.directory), local_files_only=True)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in _STATIC_ROPE:
+        raise UnsupportedModelError(
+            f"{ckpt.directory}: rope_type {rope.get('rope_type')!r} is not supported yet; "
+            f"supported: {', '.join(_STATIC_ROPE)}"
+        )
+    return config
+
+
+def _model_info(ckpt: Checkpoint, config) -> ModelInfo:
+    arch = (config.architectures or [_ARCH_BY_MODEL_TYPE[config.model_type]])[0]
+    eos = config.eos_token_id
+    gen = ckpt.directory / "generation_config.json"
+    if gen.is_file():
+        import json
+
+        eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = _dtype_name(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    if ckpt.has_weights:  # the weights decide: a config may say bfloat16 for an fp32 file
+        dtypes = {loc.dtype for loc in ckpt.tensors.values()}
+        if len(dtypes) == 1:
+            dtype = dtypes.pop()
+    return ModelInfo(
+        architecture=arch,
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        num_experts=num_experts,
+        top_k=config.num_experts_per_tok,
+        dtype=dtype,
+        max_position_embeddings=config.max_position_embeddings,
+        bos_token_id=config.bos_token_id,
+        eos_token_ids=eos_ids,
+        pad_token_id=getattr(config, "pad_token_id", None),
+        extra={"hidden_act": config.hidden_act, "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False))},
+    )
+
+
+def build_graph(model_dir: str | os.PathLike) -> tuple[Graph, Checkpoint]:
+    """Read the checkpoint, build the model on meta, trace each layer, return the graph."""
+    ckpt = read_checkpoint(model_dir)
+    config = load_config(ckpt)
+    info = _model_info(ckpt, config)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config)
+    resolver = WeightResolver(ckpt, config.model_type, info.dtype)
+    g = Graph(info)
+    _add_stem(g, model, config, resolver)
+    h = "embed"
+    for idx, layer in enumerate(model.model.layers):
+        h = _lower_layer(g, idx, layer, f"model.layers.{idx}", h, resolver, info)
+    _add_head(g, model, config, resolver, h, info)
+    g.properties.add("traced")
+    return g, ckpt
+
+
+def _add_stem(g: Graph, model: nn.Module, config, r: WeightResolver) -> None:
+    info = g.info
+    H, V = info.hidden_size, info.vocab_size
+    g.add(Node("input_ids", "input", role="io", shape=("T",)))
+    g.add(Node("positions", "input", role="io", shape=("T",)))
+    g.add(Node("embed", "embed", ["input_ids"], role="embedding", shape=("T", H),
+               weights={"weight": r.tensor("model.embed_tokens.weight", (V, H))},
+               source="model.embed_tokens"))
+    rotary = type(model.model.rotary_emb)(config=config)  # real (tiny) tensors, not meta
+    inv_freq = rotary.inv_freq.float().tolist()
+    g.add(Node("rope", "rope", ["positions"], role="rotary", shape=("T", info.head_dim),
+               attrs={"inv_freq": inv_freq, "attention_scaling": float(rotary.attention_scaling),
+                      "rope_type": rotary.rope_type},
+               source="model.rotary_emb"))
+
+
+def _add_head(g: Graph, model: nn.Module, config, r: WeightResolver, h: str, info: ModelInfo) -> None:
+    H, V = info.hidden_size, info.vocab_size
+    g.add(Node("final_norm", "rmsnorm", [h], role="norm", shape=("T", H),
+               weights={"weight": r.tensor("model.norm.weight", (H,))},
+               attrs={"eps": norm_eps(model.model.norm)}, flops_per_token=4 * H, source="model.norm"))
+    tied = info.extra["tie_word_embeddings"]
+    lm = r.tensor("model.embed_tokens.weight", (V, H)) if tied else r.tensor(
+        "lm_head.weight", (V, H), fallback="model.embed_tokens.weight")
+    g.add(Node("lm_head", "lm_head", ["final_norm"], role="lm_head", shape=("T", V),
+               weights={"weight": lm}, flops_per_token=2 * H * V, source="lm_head"))
+    g.add(Node("logits", "output", ["lm_head"], role="io"))
+
+
+@dataclass
+class _Ref:
+    """What an fx value stands for while lowering."""
+
+    kind: str  # "node" | "tuple" | "meta" | "none"
+    name: str | None = None  # IR node name (node/tuple)
+
+
+def _lower_layer(g: Graph, idx: int, layer: nn.Module, prefix: str, h_in: str,
+                 r: WeightResolver, info: ModelInfo) -> str:
+    try:
+        wrapper = _LayerCall(layer)
+        gm = torch.fx.GraphModule(wrapper, _RoleTracer().trace(wrapper))
+    except Exception as e:
+        raise FrontendError(idx, type(layer).__name__, f"torch.fx could not trace the layer: {e}") from e
+    modules = dict(gm.named_modules())
+    env: dict[torch.fx.Node, _Ref] = {}
+    out_name: str | None = None
+    H = info.hidden_size
+    pre = f"l{idx}."
+
+    def ref(x: Any, fx_node: torch.fx.Node) -> _Ref:
+        if isinstance(x, torch.fx.Node):
+            return env[x]
+        if x is None:
+            return _Ref("none")
+        raise FrontendError(idx, fx_node.name, f"unexpected constant argument {x!r}")
+
+    def tensor_input(x: Any, fx_node: torch.fx.Node) -> str:
+        rf = ref(x, fx_node)
+        if rf.kind != "node":
+            raise FrontendError(idx, fx_node.name, f"expected a tensor input, got {rf.kind} ({x})")
+        return rf.name  # type: ignore[return-value]
+
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = _Ref("node", h_in) if n.target == "h" else _Ref("node", "rope")
+        elif n.op == "output":
+            out_name = tensor_input(n.args[0], n)
+        elif n.op == "call_module":
+            path = str(n.target).removeprefix("layer.")
+            mod = modules[str(n.target)]
+            env[n] = _lower_module(g, idx, pre + path.replace(".", "_"), f"{prefix}.{path}", mod,
+                                   n, tensor_input, env, r, info)
+        elif n.op in ("call_function", "call_method"):
+            env[n] = _lower_glue(g, idx, pre, n, env, tensor_input, H)
+        elif n.op == "get_attr":
+            raise FrontendError(idx, n.name, f"reads parameter {n.target} outside a role module; "
+                                f"moecc cannot place it (supported roles: experts, attention, mlp, router, norm)")
+    assert out_name is not None
+    return out_name
+
+
+def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torch.fx.Node,
+                  tensor_input, env, r: WeightResolver, info: ModelInfo) -> _Ref:
+    role = classify(mod)
+    H = info.hidden_size
+    args = list(n.args) + [v for k, v in n.kwargs.items() if k in ("hidden_states", "x", "input")]
+    if role == "norm":
+        dim = mod.weight.shape[0]
+        g.add(Node(name, "rmsnorm", [tensor_input(args[0], n)], role="norm", layer=idx, shape=("T", dim),
+                   weights={"weight": r.tensor(f"{path}.weight", (dim,))}, attrs={"eps": norm_eps(mod)},
+                   flops_per_token=4 * dim, source=path))
+        return _Ref("node", name)
+    if role == "attention":
+        return _lower_attention(g, idx, name, path, mod, n, tensor_input, r, info)
+    if role == "router":
+        E, k = mod.weight.shape[0], int(mod.top_k)
+        norm = bool(getattr(mod, "norm_topk_prob", True))
+        g.add(Node(name, "router", [tensor_input(args[0], n)], role="router", layer=idx, shape=("T", k),
+                   weights={"weight": r.tensor(f"{path}.weight", (E, H))},
+                   attrs={"num_experts": E, "top_k": k, "scoring": "softmax", "norm_topk_prob": norm},
+                   flops_per_token=2 * H * E, source=path))
+        return _Ref("tuple", name)
+    if role == "experts":
+        hidden, index, weights = (env[a] if isinstance(a, torch.fx.Node) else None for a in n.args[:3])
+        router = index.name if index is not None else None
+        if index is None or index.kind != "field" or weights is None or weights.kind != "field" \
+                or index.name != weights.name or getattr(index, "field", None) != 2:
+            pass
+        router_name = _router_of(n, env)
+        if router_name is None:
+            raise FrontendError(idx, n.name, "experts must be called as experts(hidden, top_k_index, "
+                                "top_k_weights) with both coming from the layer's router")
+        E, I2, _ = mod.gate_up_proj.shape
+        inter = I2 // 2
+        g.add(Node(name, "experts", [tensor_input(n.args[0], n), router_name], role="experts", layer=idx,
+                   shape=("T", H), weights=r.experts(path, E, H, inter),
+                   attrs={"num_experts": E, "intermediate_size": inter, "top_k": info.top_k,
+                          "act": info.extra["hidden_act"]},
+                   flops_per_token=info.top_k * 6 * H * inter, source=path))
+        del hidden, router
+        return _Ref("node", name)
+    if role == "mlp":
+        inter = mod.gate_proj.out_features
+        g.add(Node(name, "mlp", [tensor_input(args[0], n)], role="mlp", layer=idx, shape=("T", H),
+                   weights={"gate": r.tensor(f"{path}.gate_proj.weight", (inter, H)),
+                            "up": r.tensor(f"{path}.up_proj.weight", (inter, H)),
+                            "down": r.tensor(f"{path}.down_proj.weight", (H, inter))},
+                   attrs={"intermediate_size": inter, "act": info.extra["hidden_act"]},
+                   flops_per_token=6 * H * inter, source=path))
+        return _Ref("node", name)
+    if isinstance(mod, nn.Linear):
+        w = {"weight": r.tensor(f"{path}.weight", (mod.out_features, mod.in_features))}
+        if mod.bias is not None:
+            w["bias"] = r.tensor(f"{path}.bias", (mod.out_features,))
+        g.add(Node(name, "linear", [tensor_input(args[0], n)], role="gate", layer=idx,
+                   shape=("T", mod.out_features), weights=w,
+                   flops_per_token=2 * mod.in_features * mod.out_features, source=path))
+        return _Ref("node", name)
+    raise FrontendError(idx, n.name, f"module {path} ({type(mod).__name__}) has no moecc role")
+
+
+def _router_of(n: torch.fx.Node, env) -> str | None:
+    """The router node feeding experts(hidden, index, weights), if both come from one router."""
+    fields = []
+    for a in n.args[1:3]:
+        rf = env.get(a) if isinstance(a, torch.fx.Node) else None
+        if rf is None or rf.kind != "field":
+            return None
+        fields.append((rf.name, rf.field))  # type: ignore[attr-defined]
+    (r1, f1), (r2, f2) = fields
+    return r1 if r1 == r2 and (f1, f2) == (2, 1) else None
+
+
+@dataclass
+class _FieldRef(_Ref):
+    field: int = 0
+
+
+def _lower_attention(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torch.fx.Node,
+                     tensor_input, r: WeightResolver, info: ModelInfo) -> _Ref:
+    H = info.hidden_size
+    hidden = n.kwargs.get("hidden_states", n.args[0] if n.args else None)
+    nq, nkv, hd = info.num_heads, info.num_kv_heads, mod.head_dim
+    w = {}
+    for key, out_dim, in_dim in (("q", nq * hd, H), ("k", nkv * hd, H), ("v", nkv * hd, H), ("o", H, nq * hd)):
+        lin = getattr(mod, f"{key}_proj")
+        w[key] = r.tensor(f"{path}.{key}_proj.weight", (out_dim, in_dim))
+        if lin.bias is not None:
+            w[f"{key}_bias"] = r.tensor(f"{path}.{key}_proj.bias", (out_dim,))
+    attrs: dict[str, Any] = {"num_heads": nq, "num_kv_heads": nkv, "head_dim": hd,
+                             "scaling": float(mod.scaling), "layer_index": idx,
+                             "flops_per_ctx_token": 4 * nq * hd}
+    for qk in ("q_norm", "k_norm"):
+        sub = getattr(mod, qk, None)
+        if sub is not None:
+            if classify(sub) != "norm" or sub.weight.shape[0] != hd:
+                raise UnsupportedModelError(f"{path}.{qk}: only per-head RMS q/k norms are supported")
+            w[qk] = r.tensor(f"{path}.{qk}.weight", (hd,))
+            attrs["qk_norm_eps"] = norm_eps(sub)
+    window = getattr(mod, "sliding_window", None) or getattr(mod.config, "sliding_window", None)
+    if window:
+        attrs["sliding_window"] = int(window)
+    flops = 2 * H * (nq + 2 * nkv) * hd + 2 * nq * hd * H
+    g.add(Node(name, "attention", [tensor_input(hidden, n), "rope"], role="attention", layer=idx,
+               shape=("T", H), weights=w, attrs=attrs, flops_per_token=flops, source=path))
+    return _Ref("tuple", name)
+
+
+_SHAPE_ONLY_METHODS = {"view", "reshape", "contiguous", "to", "float", "flatten"}
+_ADD = {operator.add, torch.add, operator.iadd}
+_MUL = {operator.mul, torch.mul, operator.imul}
+_SIGMOID = {torch.sigmoid, torch.nn.functional.sigmoid}
+
+
+def _lower_glue(g: Graph, idx: int, pre: str, n: torch.fx.Node, env, tensor_input, H: int) -> _Ref:
+    t = n.target
+    if n.op == "call_function" and t is getattr:
+        return _Ref("meta")
+    if n.op == "call_function" and t is operator.getitem:
+        base = env[n.args[0]]
+        if base.kind == "meta":
+            return _Ref("meta")
+        if base.kind == "tuple" and isinstance(n.args[1], int):
+            src = g.node(base.name)
+            if src.op == "attention":
+                return _Ref("node", base.name) if n.args[1] == 0 else _Ref("none")
+            return _FieldRef("field", base.name, field=n.args[1])
+        raise FrontendError(idx, n.name, f"unsupported indexing of {base.kind} value")
+    if n.op == "call_method" and t in _SHAPE_ONLY_METHODS:
+        return env[n.args[0]]
+    name = pre + n.name
+    if t in _ADD or (n.op == "call_method" and t == "add"):
+        a, b = (tensor_input(x, n) for x in n.args[:2])
+        g.add(Node(name, "add", [a, b], role="residual", layer=idx, shape=("T", H), flops_per_token=H))
+        return _Ref("node", name)
+    if t in _MUL or (n.op == "call_method" and t == "mul"):
+        a, b = (tensor_input(x, n) for x in n.args[:2])
+        g.add(Node(name, "mul", [a, b], role="glue", layer=idx, shape=("T", H), flops_per_token=H))
+        return _Ref("node", name)
+    if t in _SIGMOID or (n.op == "call_method" and t == "sigmoid"):
+        a = tensor_input(n.args[0], n)
+        g.add(Node(name, "sigmoid", [a], role="glue", layer=idx, shape=g.node(a).shape, flops_per_token=4))
+        return _Ref("node", name)
+    what = getattr(t, "__name__", str(t))
+    raise FrontendError(idx, n.name, f"unsupported operation {n.op} {what}; moecc lowers add, mul, "
+                        f"sigmoid and shape-only ops (view, reshape, contiguous) between role modules")
+
+
+def compile_frontend(model_dir: str | Path) -> tuple[Graph, Checkpoint]:
+    """Alias kept for readability at call sites."""
+    return build_graph(model_dir)

@@ -1,0 +1,193 @@
+"""moecc's module-level graph IR.
+
+The frontend turns each traced decoder layer into `Node`s whose `op` is one of a small
+vocabulary (`OPS`) that the runtime implements; passes rewrite the graph (split modules,
+insert host buffers and transfers, choose batch sizes) and codegen lowers it to a plan.
+
+Shapes are symbolic tuples: `T` = tokens in flight, `B` = sequences, `k` = experts per
+token; integers are concrete sizes from the config. Example: ("T", 4096) is [T, H].
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+# op -> what it computes (the runtime implements every compute op here)
+OPS: dict[str, str] = {
+    "input": "graph input (token ids or positions)",
+    "embed": "token embedding lookup",
+    "rope": "rotary cos/sin for each token's position",
+    "rmsnorm": "RMS normalisation over the last dim",
+    "attention": "self-attention with a KV cache (q/k/v/o projections inside)",
+    "router": "top-k expert routing: (weights [T,k], index [T,k])",
+    "experts": "routed experts, each over the tokens routed to it",
+    "mlp": "dense gated MLP (dense layer or shared expert)",
+    "linear": "a bare linear projection (e.g. a shared-expert gate)",
+    "add": "elementwise add (residual)",
+    "mul": "elementwise multiply (broadcasting)",
+    "sigmoid": "elementwise sigmoid",
+    "lm_head": "final projection to vocabulary logits",
+    "output": "graph output",
+    # inserted by passes
+    "host_buffer": "hidden states of the whole batch gathered in host memory",
+    "fetch_weights": "host->device copy of a module's dense weights",
+    "fetch_experts": "host->device copy of the experts some token chose",
+    "kv_load": "host->device copy of a micro-batch's KV cache",
+    "kv_store": "device->host copy of the new K/V of a micro-batch",
+}
+
+TRANSFER_OPS = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
+
+
+@dataclass
+class WeightRef:
+    """A weight the runtime reads from the checkpoint.
+
+    `tensor` is the checkpoint tensor name; `index` selects a slice along dim 0 (one expert
+    of a fused 3-D tensor), `rows` a row range of that slice (gate or up half of gate_up).
+    `shape` is the shape of the referenced piece, after slicing.
+    """
+
+    tensor: str
+    shape: tuple[int, ...]
+    dtype: str
+    index: int | None = None
+    rows: tuple[int, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * DTYPE_BYTES[self.dtype]
+
+    def describe(self) -> str:
+        sel = ""
+        if self.index is not None:
+            sel += f"[{self.index}]"
+        if self.rows is not None:
+            sel += f"[{self.rows[0]}:{self.rows[1]}]"
+        return f"{self.tensor}{sel}"
+
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+@dataclass
+class Node:
+    """One module-level operation.
+
+    role: what the node is for (embedding, norm, attention, router, experts, shared_expert,
+    dense_mlp, gate, residual, glue, lm_head, buffer, transfer, io).
+    weights: local name -> WeightRef (experts: "e{i}.gate" / "e{i}.up" / "e{i}.down").
+    module: set by split_modules ("L3.attn", "L3.moe", "L3.mlp", "head", "stem").
+    """
+
+    name: str
+    op: str
+    inputs: list[str] = field(default_factory=list)
+    role: str = "glue"
+    layer: int | None = None
+    module: str | None = None
+    shape: tuple[Any, ...] = ()
+    weights: dict[str, WeightRef] = field(default_factory=dict)
+    attrs: dict[str, Any] = field(default_factory=dict)
+    flops_per_token: int = 0
+    source: str = ""  # provenance: the HF module path or fx node it came from
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes for w in self.weights.values())
+
+
+@dataclass
+class ModelInfo:
+    """Config facts every pass and the runtime need (plain data)."""
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    dtype: str
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    pad_token_id: int | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers, in the model dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+class Graph:
+    """An ordered (topologically sorted) list of nodes plus model facts and properties.
+
+    `properties` records what passes have established ("traced", "modules_split", ...);
+    `attrs` holds whole-graph results (batch sizes, the emitted plan).
+    """
+
+    def __init__(self, info: ModelInfo, nodes: list[Node] | None = None):
+        self.info = info
+        self.nodes: list[Node] = list(nodes or [])
+        self.properties: set[str] = set()
+        self.attrs: dict[str, Any] = {}
+
+    # -- construction -----------------------------------------------------------------
+    def add(self, node: Node) -> Node:
+        self.nodes.append(node)
+        return node
+
+    def copy(self) -> "Graph":
+        g = Graph(copy.deepcopy(self.info), copy.deepcopy(self.nodes))
+        g.properties = set(self.properties)
+        g.attrs = copy.deepcopy(self.attrs)
+        return g
+
+    # -- queries -----------------------------------------------------------------------
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    def users(self) -> dict[str, list[Node]]:
+        out: dict[str, list[Node]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out.setdefault(i, []).append(n)
+        return out
+
+    def layer_nodes(self, layer: int) -> list[Node]:
+        return [n for n in self.nodes if n.layer == layer]
+
+    def modules(self) -> list[str]:
+        """Module names in execution order (after split_modules)."""
+        seen: dict[str, None] = {}
+        for n in self.nodes:
+            if n.module is not None:
+                seen.setdefault(n.module, None)
+        return list(seen)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(n.weight_bytes for n in self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)

@@ -1,0 +1,31 @@
+"""The compile pipeline, one pass per module (flat and in order, tinygrad-style):
+
+    split_modules        decoder layers -> attention module + expert (or dense MLP) module
+    insert_host_buffers  module boundaries -> hidden states gathered in host buffers
+    insert_transfers     weight fetches before each module, KV load/store around attention
+    choose_batch_sizes   B, b_a, b_e per phase under the memory budgets (simple rule)
+    emit_plan            lower to the plain-data plan the runtime reads (moecc/codegen)
+"""
+
+from __future__ import annotations
+
+from moecc.pass_infra import Pass
+
+
+def default_pipeline() -> list[Pass]:
+    from moecc.codegen.emit_plan import EmitPlan
+    from moecc.passes.choose_batch_sizes import ChooseBatchSizes
+    from moecc.passes.insert_host_buffers import InsertHostBuffers
+    from moecc.passes.insert_transfers import InsertTransfers
+    from moecc.passes.split_modules import SplitModules
+
+    return [
+        SplitModules(),  # attention vs expert modules per layer
+        InsertHostBuffers(),  # host buffers at module boundaries
+        InsertTransfers(),  # weight fetches and KV movement
+        ChooseBatchSizes(),  # B, b_a, b_e (rule; the ILP replaces it later)
+        EmitPlan(),  # plain-data plan
+    ]
+
+
+PASS_NAMES = ("split_modules", "insert_host_buffers", "insert_transfers", "choose_batch_sizes", "emit_plan")

@@ -1,0 +1,1 @@
+"""Test helpers: tiny deterministic Mixture-of-Experts checkpoints and tokenizers."""
