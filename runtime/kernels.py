@@ -1,0 +1,140 @@
+"""The runtime's compute kernels, one per plan op (gpt-fast style).
+
+Legend: T = tokens in this call, H = hidden size, I = expert/MLP intermediate size,
+E = experts, k = experts per token, V = vocabulary, n = query tokens of one sequence,
+c = context tokens of one sequence, Hq / Hkv = query / key-value heads, D = head dim.
+Numerics follow transformers' eager modules (norms in fp32, routing softmax in fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [..., H]  w: [H]
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dtype)
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    # positions: [T] -> [T, 2D] = cat(cos [T, D], sin [T, D])
+    freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return torch.cat(((emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)), dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [n, heads, D]  cos/sin: [n, D]
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [T, in]  w: [out, in] -> [T, out]
+    return F.linear(x, w, b)
+
+
+def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: torch.Tensor):
+    """Project, q/k-norm and rotate one micro-batch's tokens: q [T, Hq, D], k/v [T, Hkv, D]."""
+    D, Hq, Hkv = a["head_dim"], a["num_heads"], a["num_kv_heads"]
+    q = linear(x, w["q"], w.get("q_bias")).view(-1, Hq, D)
+    k = linear(x, w["k"], w.get("k_bias")).view(-1, Hkv, D)
+    v = linear(x, w["v"], w.get("v_bias")).view(-1, Hkv, D)
+    if "q_norm" in w:
+        q = rmsnorm(q, w["q_norm"], a["qk_norm_eps"])
+        k = rmsnorm(k, w["k_norm"], a["qk_norm_eps"])
+    cos, sin = rope[:, :D], rope[:, D:]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, a: dict) -> torch.Tensor:
+    """Causal attention of one sequence's n new queries at positions start..start+n-1 over
+    its cache (which already holds their K/V). q: [n, Hq, D]; caches: [Hkv, c, D] -> [n, Hq*D]."""
+    n = q.shape[0]
+    c = start + n
+    window = a.get("sliding_window")
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    kh, vh = k_cache[None, :, :c], v_cache[None, :, :c]  # [1, Hkv, c, D]
+    mask = None
+    causal = False
+    if window is not None and c > window or (n > 1 and start > 0):
+        qpos = torch.arange(start, c, device=q.device)[:, None]  # [n, 1]
+        kpos = torch.arange(c, device=q.device)[None, :]  # [1, c]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        mask = allowed[None, None]
+    elif n > 1:
+        causal = True
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
+                                         scale=a["scaling"], enable_gqa=True)  # [1, Hq, n, D]
+    return out[0].transpose(0, 1).reshape(n, -1)
+
+
+def route(x: torch.Tensor, w: torch.Tensor, a: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing. x: [T, H], w: [E, H] -> weights [T, k] (fp32), index [T, k]."""
+    logits = linear(x, w)  # [T, E]
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    top_w, top_i = torch.topk(probs, a["top_k"], dim=-1)  # [T, k]
+    if a.get("norm_topk_prob", True):
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w, top_i
+
+
+def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
+    # x: [T, H]  gate/up: [I, H]  down: [H, I] -> [T, H]
+    return linear(ACTIVATIONS[act](linear(x, gate)) * linear(x, up), down)
+
+
+def experts(
+    x: torch.Tensor,
+    top_w: torch.Tensor,
+    top_i: torch.Tensor,
+    expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    num_experts: int,
+    act: str,
+    chunk: int,
+) -> tuple[torch.Tensor, int]:
+    """Run every expert over all tokens routed to it, in chunks of at most `chunk` tokens,
+    one expert after another; experts no token chose are skipped (never fetched).
+    x: [T, H]  top_w/top_i: [T, k] -> ([T, H], number of experts run)."""
+    T, k = top_i.shape
+    out = torch.zeros_like(x)  # [T, H]
+    flat = top_i.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k] slots grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # [E]
+    flat_w = top_w.reshape(-1)
+    start = 0
+    used = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        used += 1
+        gate, up, down = expert_weights(e)
+        slots = order[start:start + count]  # [c]
+        start += count
+        for s in range(0, count, chunk):
+            sl = slots[s:s + chunk]
+            tok = sl // k  # [c] token of each slot
+            y = gated_mlp(x[tok], gate, up, down, act)  # [c, H]
+            y = y * flat_w[sl, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+    return out, used

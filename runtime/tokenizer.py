@@ -1,0 +1,33 @@
+"""Prompt encoding and output decoding with the checkpoint's own tokenizer files
+(transformers' tokenizer loading, local files only; chat templates render in its sandbox)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        except Exception as e:
+            raise RuntimeError(f"{model_dir}: cannot load the tokenizer: {e}") from e
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self.tok(prompt)["input_ids"])
+
+    def encode_messages(self, messages: Any) -> list[int]:
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError("the checkpoint's tokenizer has no chat_template; send 'prompt' instead of 'messages'")
+        out = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys") and "input_ids" in out:
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
