@@ -1,0 +1,105 @@
+"""The `moecc` command line: compile a checkpoint into a plan, run a plan over prompts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Compile and run Mixture-of-Experts models for large offline batch jobs.")
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+@app.command("compile")
+def compile_cmd(
+    model_dir: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json, *.safetensors)."),
+    output: Path = typer.Option(Path("plan.pt"), "-o", "--output", help="Where to write the plan."),
+    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Device memory budget, e.g. 24GB, 24GiB. "
+                                          "Unset: unbounded (weights stay where they are on CPU)."),
+    host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory budget, e.g. 256GB. Unset: unbounded."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Typical prompt length, for sizing the batch."),
+    output_tokens: int = typer.Option(256, "--output-tokens", help="Typical output length, for sizing the batch."),
+    max_batch: int = typer.Option(1024, "--max-batch", help="Upper bound on sequences in flight (B)."),
+    dump_dir: Optional[Path] = typer.Option(None, "--dump-dir", help="Write the graph after every pass as NNN_<pass>.txt."),
+    print_after: list[str] = typer.Option([], "--print-after", help="Print the graph after PASS (repeatable) or 'all'."),
+    verify: bool = typer.Option(False, "--verify", help="Check the graph's well-formedness after every pass."),
+) -> None:
+    """Compile MODEL_DIR into a plan for this machine's budgets."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from moecc.errors import MoeccError
+    from moecc.sizes import SizeError, format_bytes, parse_size
+
+    try:
+        gpu = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
+        host = parse_size(host_mem, what="--host-mem") if host_mem is not None else None
+    except SizeError as e:
+        _fail(str(e))
+    from moecc.compiler import compile_model
+    from moecc_runtime.plan import save_plan
+
+    try:
+        plan, graph = compile_model(model_dir, gpu_mem=gpu, host_mem=host, prompt_tokens=prompt_tokens,
+                                    output_tokens=output_tokens, max_batch=max_batch, dump_dir=dump_dir,
+                                    print_after=set(print_after) or None, verify=verify)
+    except (MoeccError, ValueError) as e:
+        _fail(str(e))
+    save_plan(plan, output)
+    d = plan["batch"]["decode"]
+    present = "weights present" if plan["model"]["fingerprint"]["weight_files"] else "config only (cannot exec)"
+    typer.echo(f"wrote {output}: {plan['model']['architecture']}, {graph.info.num_layers} layers, "
+               f"{format_bytes(plan['predicted']['weight_bytes'])} of weights ({present}); "
+               f"decode B={d['B']} b_a={d['b_a']} b_e={d['b_e']}", err=True)
+
+
+@app.command("exec")
+def exec_cmd(
+    plan: Path = typer.Argument(..., help="Plan written by `moecc compile`."),
+    prompts: Path = typer.Argument(..., help="JSONL file, one request per line."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Results JSONL (default: stdout)."),
+    errors: Optional[Path] = typer.Option(None, "--errors", help="Error records JSONL (default: beside the output)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory, if moved since compile."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Default max_tokens for requests that set none."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Override the plan's B."),
+) -> None:
+    """Run PLAN over every request in PROMPTS."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from moecc_runtime.exec import run_job
+    from moecc_runtime.plan import PlanError
+    from moecc_runtime.weights import WeightError
+
+    if errors is None and output is not None:
+        errors = output.with_name(output.stem + ".errors.jsonl")
+    out = open(output, "w", encoding="utf-8") if output is not None else sys.stdout
+    try:
+        summary = run_job(plan, prompts, out, errors_path=errors, model_dir=model, max_tokens=max_tokens,
+                          device=device, max_batch=max_batch)
+    except (PlanError, WeightError, OSError, RuntimeError) as e:
+        _fail(str(e))
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    typer.echo(
+        f"{summary.succeeded} of {summary.requests} requests done, {summary.failed} failed; "
+        f"{summary.completion_tokens} tokens generated in {summary.seconds:.2f}s "
+        f"({summary.tokens_per_second:.1f} tok/s)" + (f"; errors in {errors}" if summary.failed and errors else ""),
+        err=True,
+    )
+    if summary.failed:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
