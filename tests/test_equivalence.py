@@ -137,3 +137,23 @@ def test_seeded_sampling_is_reproducible(checkpoints):
     other_seed = _run_moecc(plan, path, [GenRequest("s", sampled.prompt_ids, 12, 0.9, 0.9, 40, seed=12)])
     assert alone == mixed == again
     assert other_seed["s"].token_ids != alone
+
+
+def test_sharded_checkpoint(checkpoints, hf_models, tmp_path):
+    """A checkpoint split into shards with model.safetensors.index.json runs identically."""
+    import shutil
+
+    src = checkpoints("qwen3_moe", "per_expert")
+    model, tok = hf_models(src)
+    d = tmp_path / "sharded"
+    model.save_pretrained(str(d), max_shard_size="100KB")
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, d / f.name)
+    assert (d / "model.safetensors.index.json").is_file() and len(list(d.glob("*.safetensors"))) > 2
+    plan, _ = compile_model(d)
+    assert len({e["file"] for e in plan["weights"].values()}) > 2
+    reqs = [GenRequest(str(i), tok(p)["input_ids"], NEW_TOKENS) for i, p in enumerate(_prompts(4))]
+    got = _run_moecc(plan, d, reqs)
+    for r in reqs:
+        assert got[r.key].token_ids == _reference(model, r.prompt_ids, NEW_TOKENS)[0]
