@@ -92,7 +92,7 @@ class Engine:
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(pos, dtype=torch.long, device=self.device),
             seqs=seqs, spans=spans,
-            last_rows=torch.tensor([b - 1 for _, b in spans], dtype=torch.long, device=self.device),
+            last_rows=torch.tensor([b - 1 for _, b in spans], dtype=torch.long),  # indexes host buffers
         )
         env: dict[str, torch.Tensor] = {"input_ids": ctx.input_ids, "positions": ctx.positions}
         logits = None

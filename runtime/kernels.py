@@ -90,12 +90,15 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start:
 
 
 def route(x: torch.Tensor, w: torch.Tensor, a: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing. x: [T, H], w: [E, H] -> weights [T, k] (fp32), index [T, k]."""
+    """Top-k routing. x: [T, H], w: [E, H] -> weights [T, k] (fp32, or the model dtype
+    where the model's router returns that), index [T, k]."""
     logits = linear(x, w)  # [T, E]
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     top_w, top_i = torch.topk(probs, a["top_k"], dim=-1)  # [T, k]
     if a.get("norm_topk_prob", True):
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    if a.get("weights_in_model_dtype", False):
+        top_w = top_w.to(x.dtype)
     return top_w, top_i
 
 

@@ -157,3 +157,25 @@ def test_sharded_checkpoint(checkpoints, hf_models, tmp_path):
     got = _run_moecc(plan, d, reqs)
     for r in reqs:
         assert got[r.key].token_ids == _reference(model, r.prompt_ids, NEW_TOKENS)[0]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_bf16_greedy_matches_transformers_eager_experts(family, tmp_path):
+    """In bf16, moecc is token-identical to transformers with its eager expert loop (its
+    default grouped_mm kernel rounds differently)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moecc.testing.checkpoints import write_checkpoint
+
+    path = write_checkpoint(tmp_path / family, family, dtype="bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, experts_implementation="eager")
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    plan, _ = compile_model(path)
+    assert plan["model"]["info"]["dtype"] == "bfloat16"
+    reqs = [GenRequest(str(i), tok(p)["input_ids"], NEW_TOKENS) for i, p in enumerate(_prompts(16))]
+    got = _run_moecc(plan, path, reqs)
+    for r in reqs:
+        ref_ids, ref_logits = _reference(model, r.prompt_ids, NEW_TOKENS)
+        assert got[r.key].token_ids == ref_ids, f"prompt {r.key}"
+        assert torch.equal(got[r.key].logits[0], ref_logits[0])

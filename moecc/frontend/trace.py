@@ -242,7 +242,8 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
         norm = bool(getattr(mod, "norm_topk_prob", True))
         g.add(Node(name, "router", [tensor_input(args[0], n)], role="router", layer=idx, shape=("T", k),
                    weights={"weight": r.tensor(f"{path}.weight", (E, H))},
-                   attrs={"num_experts": E, "top_k": k, "scoring": "softmax", "norm_topk_prob": norm},
+                   attrs={"num_experts": E, "top_k": k, "scoring": "softmax", "norm_topk_prob": norm,
+                          "weights_in_model_dtype": _router_casts_weights(mod, H)},
                    flops_per_token=2 * H * E, source=path))
         return _Ref("tuple", name)
     if role == "experts":
@@ -282,6 +283,19 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
                    flops_per_token=2 * mod.in_features * mod.out_features, source=path))
         return _Ref("node", name)
     raise FrontendError(idx, n.name, f"module {path} ({type(mod).__name__}) has no moecc role")
+
+
+def _router_casts_weights(mod: nn.Module, hidden: int) -> bool:
+    """Whether the router returns its top-k weights in the model dtype (Qwen) or in fp32
+    (Mixtral): run a CPU copy of it (an [E, H] weight, always small) on a bf16 row."""
+    import copy
+
+    probe = copy.deepcopy(mod).to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in probe.parameters():
+            p.zero_()
+        out = probe(torch.zeros(1, hidden, dtype=torch.bfloat16))
+    return out[1].dtype == torch.bfloat16
 
 
 def _router_of(n: torch.fx.Node, env) -> str | None:

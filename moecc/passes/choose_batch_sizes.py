@@ -5,11 +5,11 @@ Does (the rule; the OR-Tools planner replaces it in a later issue):
   device budget D = 0.9 x gpu_mem (unbounded when gpu_mem is not given)
   fixed       = 2 x largest dense module weights (double-buffered slots)
               + 2 x one expert's weights (two expert slots: compute one, fetch the next)
-  left        = D - fixed, half for expert activations, half for attention KV
-  b_e         = largest power of two <= 4096 with b_e x act_bytes_per_token <= left / 2
+  left        = D - fixed: at most half for attention KV, the rest for expert activations
   host budget = 0.8 x host_mem - model weight bytes
   B (decode)  = min(max_batch, host budget / (KV bytes per token x (prompt + output tokens)))
-  b_a         = min(B, (left / 2) / (2 x one layer's KV of a full-length sequence))
+  b_a         = max(1, min(B, (left / 2) / (2 x one layer's KV of a full-length sequence)))
+  b_e         = largest power of two <= 4096 with b_e x act_bytes_per_token <= left - b_a's KV
   prefill uses the same B and b_a, and b_e at least the longest prompt's token count chunk.
 A budget below the minimum working set (fixed + one token's activations) fails with the
 minimum that would fit.
@@ -101,8 +101,11 @@ class ChooseBatchSizes(Pass):
                     f"derate; use --host-mem {format_bytes((weights + kv_per_seq) / HOST_DERATE + 1)} or more"
                 )
             B = max(1, min(max_batch, host_budget // kv_per_seq))
-        b_e = _pow2_floor(left / 2 / act_per_token, MAX_EXPERT_CHUNK)
-        b_a = int(max(1, min(B, (left / 2) // (2 * kv_layer_seq)))) if left != float("inf") else B
+        if left == float("inf"):
+            b_a, b_e = int(B), MAX_EXPERT_CHUNK
+        else:
+            b_a = int(max(1, min(B, (left / 2) // (2 * kv_layer_seq))))
+            b_e = _pow2_floor((left - 2 * b_a * kv_layer_seq) / act_per_token, MAX_EXPERT_CHUNK)
         decode = {"B": int(B), "b_a": b_a, "b_e": b_e}
         prefill = {"B": int(B), "b_a": b_a, "b_e": b_e}
         g.attrs["batch"] = {"prefill": prefill, "decode": decode,
