@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, Sequence, TextIO
 
-from moecc.errors import PassError
+from moecc.errors import MoeccError, PassError
 from moecc.ir import Graph
 from moecc.printer import format_graph
 
@@ -122,6 +122,8 @@ class PassManager:
                 result = p.run(graph, ctx)
             except PassError:
                 raise
+            except MoeccError as e:  # a user-facing error: keep its message, name the pass
+                raise PassError(p.name, str(e)) from e
             except Exception as e:  # name the pass, keep the cause
                 raise PassError(p.name, f"{type(e).__name__}: {e}") from e
             seconds = time.perf_counter() - start

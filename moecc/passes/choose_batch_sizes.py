@@ -22,7 +22,7 @@ from __future__ import annotations
 from moecc.errors import BudgetError
 from moecc.ir import DTYPE_BYTES, Graph
 from moecc.pass_infra import Pass, PassContext, PassResult
-from moecc.sizes import format_bytes
+from moecc.sizes import format_bytes, format_size_at_least
 
 DEVICE_DERATE = 0.9
 HOST_DERATE = 0.8
@@ -83,7 +83,7 @@ class ChooseBatchSizes(Pass):
                     f"{info.architecture}: {format_bytes(minimum)} (two slots of the largest dense module "
                     f"{format_bytes(dense_max)}, two expert slots of {format_bytes(expert_bytes)}, one "
                     f"sequence's KV for one layer and one token's activations) at a {DEVICE_DERATE:.0%} "
-                    f"derate; use --gpu-mem {format_bytes(minimum / DEVICE_DERATE + 1)} or more"
+                    f"derate; use --gpu-mem {format_size_at_least(minimum / DEVICE_DERATE)} or more"
                 )
             left = device_budget - fixed
 
@@ -98,7 +98,7 @@ class ChooseBatchSizes(Pass):
                 raise BudgetError(
                     f"--host-mem {format_bytes(host_mem)} cannot hold the model ({format_bytes(weights)}) "
                     f"plus one sequence's KV cache ({format_bytes(kv_per_seq)}) at a {HOST_DERATE:.0%} "
-                    f"derate; use --host-mem {format_bytes((weights + kv_per_seq) / HOST_DERATE + 1)} or more"
+                    f"derate; use --host-mem {format_size_at_least((weights + kv_per_seq) / HOST_DERATE)} or more"
                 )
             B = max(1, min(max_batch, host_budget // kv_per_seq))
         if left == float("inf"):
