@@ -20,7 +20,7 @@ import torch
 from moecc_runtime.plan import SCHEMA, SCHEMA_VERSION
 
 from moecc.errors import PassError
-from moecc.ir import DTYPE_BYTES, Graph, Node, WeightRef
+from moecc.ir import DTYPE_BYTES, Graph, WeightRef
 from moecc.pass_infra import Pass, PassContext, PassResult
 
 PLAN_OPS = frozenset({"embed", "rope", "rmsnorm", "attention", "router", "experts", "mlp", "linear", "add",

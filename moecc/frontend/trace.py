@@ -15,7 +15,6 @@ import operator
 import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -247,11 +246,6 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
                    flops_per_token=2 * H * E, source=path))
         return _Ref("tuple", name)
     if role == "experts":
-        hidden, index, weights = (env[a] if isinstance(a, torch.fx.Node) else None for a in n.args[:3])
-        router = index.name if index is not None else None
-        if index is None or index.kind != "field" or weights is None or weights.kind != "field" \
-                or index.name != weights.name or getattr(index, "field", None) != 2:
-            pass
         router_name = _router_of(n, env)
         if router_name is None:
             raise FrontendError(idx, n.name, "experts must be called as experts(hidden, top_k_index, "
@@ -263,7 +257,6 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
                    attrs={"num_experts": E, "intermediate_size": inter, "top_k": info.top_k,
                           "act": info.extra["hidden_act"]},
                    flops_per_token=info.top_k * 6 * H * inter, source=path))
-        del hidden, router
         return _Ref("node", name)
     if role == "mlp":
         inter = mod.gate_proj.out_features
@@ -384,7 +377,3 @@ def _lower_glue(g: Graph, idx: int, pre: str, n: torch.fx.Node, env, tensor_inpu
     raise FrontendError(idx, n.name, f"unsupported operation {n.op} {what}; moecc lowers add, mul, "
                         f"sigmoid and shape-only ops (view, reshape, contiguous) between role modules")
 
-
-def compile_frontend(model_dir: str | Path) -> tuple[Graph, Checkpoint]:
-    """Alias kept for readability at call sites."""
-    return build_graph(model_dir)
