@@ -8,7 +8,6 @@ to the end of the header.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from dataclasses import dataclass, field
@@ -47,11 +46,11 @@ class Checkpoint:
         return bool(self.tensors)
 
     def fingerprint(self) -> dict:
-        """What `exec` checks to refuse a plan made for another checkpoint."""
-        return {
-            "config_sha256": hashlib.sha256((self.directory / "config.json").read_bytes()).hexdigest(),
-            "weight_files": dict(sorted(self.files.items())),
-        }
+        """What `exec` checks to refuse a plan made for another checkpoint (computed by the
+        runtime's own function, so both sides agree by construction)."""
+        from moecc_runtime.plan import fingerprint
+
+        return fingerprint(self.directory, list(self.files))
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorLocation]:
