@@ -136,11 +136,10 @@ class Engine:
             if kind == "host_buffer":
                 full = env.get(op["name"])
                 x = inputs[0]
-                if full is None:
-                    n = ctx.input_ids.shape[0] if not isinstance(rows, torch.Tensor) else x.shape[0]
-                    full = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device="cpu")
+                if full is None:  # [T, ...] on the host, filled micro-batch by micro-batch
+                    full = torch.empty((ctx.input_ids.shape[0], *x.shape[1:]), dtype=x.dtype, device="cpu")
                     env[op["name"]] = full
-                full[rows if seq_range is not None else slice(None)] = x.to("cpu")
+                full[rows] = x.to("cpu")
                 continue
             last = local[op["name"]] = self._compute(op, inputs, ctx, seq_range)
         return last

@@ -174,8 +174,9 @@ def _add_head(g: Graph, model: nn.Module, config, r: WeightResolver, h: str, inf
 class _Ref:
     """What an fx value stands for while lowering."""
 
-    kind: str  # "node" | "tuple" | "meta" | "none"
-    name: str | None = None  # IR node name (node/tuple)
+    kind: str  # "node" | "tuple" | "field" | "meta" | "none"
+    name: str | None = None  # IR node name (node/tuple/field)
+    field: int | None = None  # which element of a tuple-valued node ("field")
 
 
 def _lower_layer(g: Graph, idx: int, layer: nn.Module, prefix: str, h_in: str,
@@ -278,9 +279,20 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
     raise FrontendError(idx, n.name, f"module {path} ({type(mod).__name__}) has no moecc role")
 
 
+_ROUTER_CASTS: dict[tuple[type, int], bool] = {}
+
+
 def _router_casts_weights(mod: nn.Module, hidden: int) -> bool:
     """Whether the router returns its top-k weights in the model dtype (Qwen) or in fp32
-    (Mixtral): run a CPU copy of it (an [E, H] weight, always small) on a bf16 row."""
+    (Mixtral): run a CPU copy of it (an [E, H] weight, always small) on a bf16 row.
+    Probed once per router class and width, not once per layer."""
+    key = (type(mod), hidden)
+    if key not in _ROUTER_CASTS:
+        _ROUTER_CASTS[key] = _probe_router(mod, hidden)
+    return _ROUTER_CASTS[key]
+
+
+def _probe_router(mod: nn.Module, hidden: int) -> bool:
     import copy
 
     probe = copy.deepcopy(mod).to_empty(device="cpu").to(torch.bfloat16)
@@ -298,14 +310,9 @@ def _router_of(n: torch.fx.Node, env) -> str | None:
         rf = env.get(a) if isinstance(a, torch.fx.Node) else None
         if rf is None or rf.kind != "field":
             return None
-        fields.append((rf.name, rf.field))  # type: ignore[attr-defined]
+        fields.append((rf.name, rf.field))
     (r1, f1), (r2, f2) = fields
     return r1 if r1 == r2 and (f1, f2) == (2, 1) else None
-
-
-@dataclass
-class _FieldRef(_Ref):
-    field: int = 0
 
 
 def _lower_attention(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torch.fx.Node,
@@ -356,7 +363,7 @@ def _lower_glue(g: Graph, idx: int, pre: str, n: torch.fx.Node, env, tensor_inpu
             src = g.node(base.name)
             if src.op == "attention":
                 return _Ref("node", base.name) if n.args[1] == 0 else _Ref("none")
-            return _FieldRef("field", base.name, field=n.args[1])
+            return _Ref("field", base.name, field=n.args[1])
         raise FrontendError(idx, n.name, f"unsupported indexing of {base.kind} value")
     if n.op == "call_method" and t in _SHAPE_ONLY_METHODS:
         return env[n.args[0]]
