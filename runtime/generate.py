@@ -1,6 +1,19 @@
-"""The generation loop: admit requests up to the plan's batch size B, step the engine,
-choose next tokens, retire each sequence at EOS or its own max_tokens, refill freed slots
-from the queue between steps, and hand every finished sequence to a callback at once."""
+"""The generation loop (continuous batching over module-based steps).
+
+Each step:
+  1. admit: while fewer than B sequences are in flight, take the next request (preempted
+     sequences first) if the KV pool can hold its prompt plus the running sequences'
+     expected growth, and the step's prefill budget is not spent;
+  2. build the step's work: one token for every decoding sequence, and prompt chunks of
+     at most the remaining prefill budget for sequences still prefilling (long prompts
+     are prefilled over several steps, interleaved with the decode of the others);
+  3. run the engine; if the KV pool runs out, preempt the most recently admitted
+     sequence (free its blocks, recompute it later) and retry;
+  4. pick next tokens (greedy rows in one argmax), retire each sequence at EOS or its own
+     max_tokens, free its KV blocks and hand its result to `on_finish` at once.
+Freed slots are refilled from the queue at the next step, so the batch stays full until
+the queue drains.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +24,10 @@ from typing import Callable, Iterable
 import torch
 
 from moecc_runtime.engine import Engine, Sequence
+from moecc_runtime.kv import KVCacheFull
 from moecc_runtime.sampling import next_token, request_generator
+
+DEFAULT_PREFILL_TOKENS = 2048
 
 
 @dataclass
@@ -40,47 +56,102 @@ def generate(
     on_finish: Callable[[GenResult], None],
     *,
     max_batch: int | None = None,
-    max_prefill_tokens: int = 8192,
+    max_prefill_tokens: int | None = None,
     record_logits: bool = False,
+    on_error: Callable[[GenRequest, str], None] | None = None,
 ) -> None:
-    """Run every request to completion; `on_finish` is called as each one finishes."""
-    info = engine.info
-    eos = set(info["eos_token_ids"])
+    """Run every request to completion; `on_finish` is called as each one finishes.
+    A request that cannot fit the KV pool even alone goes to `on_error` (raised without it)."""
+    eos = set(engine.info["eos_token_ids"])
     limit = int(max_batch or engine.plan["batch"]["decode"]["B"])
+    budget_per_step = int(max_prefill_tokens or engine.plan["batch"]["prefill"].get("tokens_per_step")
+                          or DEFAULT_PREFILL_TOKENS)
+    kv = engine.kv
     queue = deque(requests)
-    active: list[Sequence] = []
+    preempted: deque[Sequence] = deque()
+    running: list[Sequence] = []
     next_id = 0
-    while queue or active:
-        budget = max_prefill_tokens
-        admitted = 0
-        while queue and len(active) < limit:
-            req = queue[0]
-            if admitted and len(req.prompt_ids) > budget:
+
+    def new_sequence(req: GenRequest) -> Sequence:
+        nonlocal next_id
+        next_id += 1
+        return Sequence(next_id - 1, list(req.prompt_ids), len(req.prompt_ids), req.max_tokens,
+                        meta={"req": req, "gen": request_generator(req.seed, req.key), "logits": []})
+
+    while queue or preempted or running:
+        # 1. admit
+        budget = budget_per_step - sum(min(s.pending, budget_per_step) for s in running if s.pending > 1)
+        while (queue or preempted) and len(running) < limit and budget > 0:
+            seq = preempted[0] if preempted else new_sequence(queue[0])
+            growth = len(running) // kv.block_size + 1  # blocks the running ones may take next step
+            if running and kv.blocks_for(len(seq.tokens) + 1) + growth > kv.free_blocks:
                 break
-            queue.popleft()
-            seq = Sequence(next_id, list(req.prompt_ids), len(req.prompt_ids), req.max_tokens,
-                           meta={"req": req, "gen": request_generator(req.seed, req.key), "logits": []})
-            next_id += 1
-            engine.allocate(seq)
-            active.append(seq)
-            budget -= len(req.prompt_ids)
-            admitted += 1
-        logits = engine.step(active)  # [S, V]
-        still: list[Sequence] = []
-        for s, row in zip(active, logits):
-            req: GenRequest = s.meta["req"]
+            (preempted.popleft() if preempted else queue.popleft())
+            running.append(seq)
+            budget -= min(seq.pending, budget)
+        # 2. work: every decoding sequence, prompt chunks within the prefill budget
+        while True:
+            work = _plan_work(running, budget_per_step)
+            if not work:
+                finishing, logits = [], None
+                break
+            try:
+                finishing, logits = engine.step(work)
+                break
+            except KVCacheFull as e:
+                victim = running.pop()  # the most recently admitted
+                engine.release(victim)
+                if running:
+                    victim.cached = 0  # recomputed from its tokens when re-admitted
+                    preempted.appendleft(victim)
+                    continue
+                req = victim.meta["req"]
+                msg = (f"request {req.key!r} needs {kv.blocks_for(len(victim.tokens))} KV blocks of "
+                       f"{kv.block_size} tokens but the whole pool has {kv.num_blocks}; compile with more "
+                       f"--host-mem or lower its max_tokens")
+                if on_error is None:
+                    raise KVCacheFull(victim.sid, e.needed, e.free, e.capacity) from e
+                on_error(req, msg)
+        if logits is None:
+            continue
+        # 3. next tokens
+        chosen = _choose(finishing, logits)
+        done: set[int] = set()
+        for s, row, tok in zip(finishing, logits, chosen):
+            req = s.meta["req"]
             if record_logits:
                 s.meta["logits"].append(row.clone())
-            tok = next_token(row, req.temperature, req.top_p, req.top_k, s.meta["gen"])
             s.tokens.append(tok)
-            reason = None
-            if tok in eos:
-                reason = "stop"
-            elif len(s.generated) >= s.max_new:
-                reason = "length"
-            if reason is None:
-                still.append(s)
-            else:
-                s.kv = None  # free the cache before the callback writes output
+            reason = "stop" if tok in eos else "length" if len(s.generated) >= s.max_new else None
+            if reason is not None:
+                engine.release(s)
+                done.add(s.sid)
                 on_finish(GenResult(req.key, req.prompt_ids, s.generated, reason, s.meta["logits"]))
-        active = still
+        if done:
+            running = [s for s in running if s.sid not in done]
+
+
+def _plan_work(running: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+    work = []
+    for s in running:
+        if s.pending == 1:
+            work.append((s, 1))
+        elif budget > 0:
+            n = min(s.pending, budget)
+            budget -= n
+            work.append((s, n))
+    return work
+
+
+def _choose(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """Next token per sequence: greedy rows in one argmax, the rest sampled per request."""
+    greedy = [i for i, s in enumerate(seqs) if s.meta["req"].temperature <= 0.0]
+    out = [0] * len(seqs)
+    if greedy:
+        for i, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
+            out[i] = t
+    for i, s in enumerate(seqs):
+        if s.meta["req"].temperature > 0.0:
+            r = s.meta["req"]
+            out[i] = next_token(logits[i], r.temperature, r.top_p, r.top_k, s.meta["gen"])
+    return out

@@ -114,6 +114,23 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_key_value_heads": 4,
         },
     ),
+    # Mixtral's proportions (GQA 4:1, I/H = 3.5, top-2 of 8) at 235M parameters: the
+    # default model of bench/throughput.py.
+    "bench": (
+        "mixtral",
+        {
+            "hidden_size": 512,
+            "intermediate_size": 1792,
+            "num_hidden_layers": 10,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "vocab_size": 8192,
+            "max_position_embeddings": 1024,
+            "initializer_range": 0.02,
+        },
+    ),
 }
 
 # Accepted by the config constructors although not stored under the same name.
