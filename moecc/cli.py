@@ -69,6 +69,8 @@ def exec_cmd(
     max_tokens: int = typer.Option(256, "--max-tokens", help="Default max_tokens for requests that set none."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Override the plan's B."),
+    stats: Optional[Path] = typer.Option(None, "--stats", help="Write the job summary and per-step engine "
+                                         "records (time, tokens, KV use) to this JSON file."),
 ) -> None:
     """Run PLAN over every request in PROMPTS."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -81,7 +83,7 @@ def exec_cmd(
     out = open(output, "w", encoding="utf-8") if output is not None else sys.stdout
     try:
         summary = run_job(plan, prompts, out, errors_path=errors, model_dir=model, max_tokens=max_tokens,
-                          device=device, max_batch=max_batch)
+                          device=device, max_batch=max_batch, stats_path=stats)
     except (PlanError, WeightError, OSError, RuntimeError) as e:
         _fail(str(e))
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,6 +34,7 @@ class JobSummary:
     completion_tokens: int = 0
     seconds: float = 0.0
     errors: list[dict[str, Any]] = field(default_factory=list)
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineStats as plain data
 
     @property
     def tokens_per_second(self) -> float:
@@ -57,7 +58,10 @@ def run_job(
     device: str | None = None,
     max_batch: int | None = None,
     log: IO[str] | None = sys.stderr,
+    stats_path: str | Path | None = None,
 ) -> JobSummary:
+    """Run every request of `prompts_path` through the plan, writing results to `output` as
+    they finish. With `stats_path`, write the job summary and per-step engine records (JSON)."""
     plan = load_plan(plan_path)
     mdir = check_checkpoint(plan, model_dir)
     tok = Tokenizer(mdir)
@@ -78,21 +82,23 @@ def run_job(
             err_file.flush()
 
     gen_requests: list[GenRequest] = []
+    lines: dict[str, int] = {}  # custom_id -> input line
     for item in iter_requests(prompts_path):
         summary.requests += 1
         if isinstance(item, RequestError):
             fail(item.to_record(), str(item))
             continue
         try:
-            gen_requests.append(_encode(item, tok, context, max_tokens))
+            gen_requests.append(_encode(item, tok, context, max_tokens, int(plan["model"]["info"]["vocab_size"])))
+            lines[item.custom_id] = item.line
         except ValueError as e:
             rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": "prompt"
                                                           if item.prompt is not None else "messages",
                                                           "message": str(e)}}
             fail(rec, f"{prompts_path}:{item.line}: {e}")
 
-    engine = Engine(plan, mdir, pick_device(device))
     start = time.perf_counter()
+    engine = Engine(plan, mdir, pick_device(device), record_steps=stats_path is not None)
 
     def finished(r: GenResult) -> None:
         summary.succeeded += 1
@@ -108,18 +114,34 @@ def run_job(
         output.write(json.dumps(line, ensure_ascii=False) + "\n")
         output.flush()
 
+    def failed(r: GenRequest, message: str) -> None:
+        line = lines.get(r.key)
+        fail({"custom_id": r.key, "error": {"line": line, "field": "max_tokens", "message": message}},
+             f"{prompts_path}:{line}: {message}")
+
     try:
-        generate(engine, gen_requests, finished, max_batch=max_batch)
+        generate(engine, gen_requests, finished, max_batch=max_batch, on_error=failed)
     finally:
         summary.seconds = time.perf_counter() - start
+        summary.engine = asdict(engine.stats)
         engine.close()
         if err_file is not None:
             err_file.close()
+        if stats_path is not None:
+            Path(stats_path).write_text(json.dumps(asdict(summary), indent=1) + "\n", encoding="utf-8")
     return summary
 
 
-def _encode(req: Request, tok: Tokenizer, context: int, default_max: int) -> GenRequest:
-    ids = tok.encode_prompt(req.prompt) if req.prompt is not None else tok.encode_messages(req.messages)
+def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab: int) -> GenRequest:
+    if isinstance(req.prompt, tuple):
+        ids = list(req.prompt)
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary of {vocab}")
+    elif req.prompt is not None:
+        ids = tok.encode_prompt(req.prompt)
+    else:
+        ids = tok.encode_messages(req.messages)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
     if len(ids) >= context:

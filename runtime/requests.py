@@ -45,7 +45,7 @@ class Request:
 
     line: int  # 1-based line number in the file
     custom_id: str
-    prompt: str | None
+    prompt: str | tuple[int, ...] | None  # text, or token ids (as OpenAI's completions API accepts)
     messages: tuple[dict[str, str], ...] | None
     max_tokens: int | None  # None -> the caller's default
     temperature: float = 0.0  # 0.0 means greedy
@@ -122,6 +122,20 @@ def _check_str(value: object, field: str, *, allow_empty: bool = True) -> str:
             field, f"contains an unpaired surrogate escape at character {exc.start}"
         ) from None
     return value
+
+
+def _check_prompt(value: object) -> str | tuple[int, ...]:
+    """A prompt is a non-empty string or a non-empty list of token ids (ints >= 0)."""
+    if isinstance(value, list):
+        if not value:
+            raise RequestFieldError("prompt", "must not be empty")
+        for i, t in enumerate(value):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise RequestFieldError("prompt", f"token list item {i}: expected a token id >= 0, got {_describe(t)}")
+        return tuple(value)
+    if not isinstance(value, str):
+        raise RequestFieldError("prompt", f"expected a string or a list of token ids, got {_describe(value)}")
+    return _check_str(value, "prompt", allow_empty=False)
 
 
 def _check_int(value: object, field: str, *, lo: int | None, hi: int | None, expected: str) -> int:
@@ -204,7 +218,7 @@ def parse_request(obj: object, *, path: str, line: int) -> Request:
             raise RequestFieldError("messages", "give exactly one of 'prompt' or 'messages', not both")
         if not (has_prompt or has_messages):
             raise RequestFieldError(None, "missing 'prompt' or 'messages' (exactly one is required)")
-        prompt = _check_str(obj["prompt"], "prompt", allow_empty=False) if has_prompt else None
+        prompt = _check_prompt(obj["prompt"]) if has_prompt else None
         messages = _check_messages(obj["messages"]) if has_messages else None
 
         max_tokens: int | None = None

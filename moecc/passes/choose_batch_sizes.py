@@ -10,7 +10,10 @@ Does (the rule; the OR-Tools planner replaces it in a later issue):
   B (decode)  = min(max_batch, host budget / (KV bytes per token x (prompt + output tokens)))
   b_a         = max(1, min(B, (left / 2) / (2 x one layer's KV of a full-length sequence)))
   b_e         = largest power of two <= 4096 with b_e x act_bytes_per_token <= left - b_a's KV
-  prefill uses the same B and b_a, and b_e at least the longest prompt's token count chunk.
+  prefill uses the same B, b_a and b_e, and runs at most
+  tokens_per_step = min(8192, B x prompt tokens) prompt tokens per step.
+  KV is paged in blocks of 16 positions; the pool holds the host budget's worth of blocks
+  (unbounded host: B x (ceil(seq_len / 16) + 1) blocks).
 A budget below the minimum working set (fixed + one token's activations) fails with the
 minimum that would fit.
 Guarantees: batch_sizes (graph.attrs["batch"] and graph.attrs["memory"]).
@@ -27,6 +30,8 @@ from moecc.sizes import format_bytes, format_size_at_least
 DEVICE_DERATE = 0.9
 HOST_DERATE = 0.8
 MAX_EXPERT_CHUNK = 4096
+KV_BLOCK_SIZE = 16
+MAX_PREFILL_TOKENS_PER_STEP = 8192
 
 
 def _pow2_floor(x: float, cap: int) -> int:
@@ -88,7 +93,9 @@ class ChooseBatchSizes(Pass):
             left = device_budget - fixed
 
         weights = g.weight_bytes
-        kv_per_seq = info.kv_bytes_per_token * seq
+        block_bytes = info.kv_bytes_per_token * KV_BLOCK_SIZE
+        blocks_per_seq = -(-seq // KV_BLOCK_SIZE)
+        kv_per_seq = blocks_per_seq * block_bytes  # paged: whole blocks
         if host_mem is None:
             B = max_batch
             host_budget = None
@@ -107,8 +114,12 @@ class ChooseBatchSizes(Pass):
             b_a = int(max(1, min(B, (left / 2) // (2 * kv_layer_seq))))
             b_e = _pow2_floor((left - 2 * b_a * kv_layer_seq) / act_per_token, MAX_EXPERT_CHUNK)
         decode = {"B": int(B), "b_a": b_a, "b_e": b_e}
-        prefill = {"B": int(B), "b_a": b_a, "b_e": b_e}
+        prefill = {"B": int(B), "b_a": b_a, "b_e": b_e,
+                   "tokens_per_step": int(min(MAX_PREFILL_TOKENS_PER_STEP, B * prompt))}
+        num_blocks = int(B) * (blocks_per_seq + 1) if host_budget is None else host_budget // block_bytes
         g.attrs["batch"] = {"prefill": prefill, "decode": decode,
+                            "kv": {"block_size": KV_BLOCK_SIZE, "num_blocks": int(num_blocks),
+                                   "bytes_per_block": int(block_bytes)},
                             "workload": {"prompt_tokens": prompt, "output_tokens": output, "seq_len": seq},
                             "rule": "choose_batch_sizes (simple rule, see the pass docstring)"}
         g.attrs["memory"] = {
@@ -123,7 +134,7 @@ class ChooseBatchSizes(Pass):
             "host": {
                 "budget": host_budget,
                 "weights": weights,
-                "kv_cache": int(B) * kv_per_seq,
+                "kv_cache": int(num_blocks) * block_bytes,
             },
         }
         return PassResult(g, modified=True)

@@ -114,18 +114,19 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_key_value_heads": 4,
         },
     ),
-    # Mixtral's proportions (GQA 4:1, I/H = 3.5, top-2 of 8) at 235M parameters: the
-    # default model of bench/throughput.py.
+    # Mixtral's proportions per layer (GQA 4:1 with head dim 128, I/H = 3.5, top-2 of 8) at
+    # 380M parameters in 4 layers: the default model of bench/throughput.py.
     "bench": (
         "mixtral",
         {
-            "hidden_size": 512,
-            "intermediate_size": 1792,
-            "num_hidden_layers": 10,
+            "hidden_size": 1024,
+            "intermediate_size": 3584,
+            "num_hidden_layers": 4,
             "num_local_experts": 8,
             "num_experts_per_tok": 2,
             "num_attention_heads": 8,
             "num_key_value_heads": 2,
+            "head_dim": 128,
             "vocab_size": 8192,
             "max_position_embeddings": 1024,
             "initializer_range": 0.02,

@@ -1,0 +1,207 @@
+"""Continuous batching keeps greedy output token-identical to transformers: more requests than
+the batch limit (freed slots refilled), prompts of different lengths, different max_tokens,
+an early EOS; a tiny KV pool with small prefill chunks (chunked prefill, preemption and
+recompute); and a request too long for the whole pool failing alone through on_error.
+
+Each request is compared with transformers' generate on its prompt alone (batch of one,
+do_sample=False, max_new_tokens = its max_tokens, the same EOS); both return the EOS token
+as the last token when a sequence stops on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecc.compiler import compile_model
+from moecc_runtime.engine import Engine
+from moecc_runtime.generate import GenRequest, GenResult, generate
+from moecc_runtime.kv import KVCacheFull
+
+from test_equivalence import _prompts, _reference, hf_models  # noqa: F401  (hf_models is a fixture)
+
+LIMIT = 3  # max_batch: fewer than the requests, so slots are refilled
+# (index into _prompts(18), max_tokens): prompt lengths 4..49 tokens, max_tokens 3..12
+REQUESTS = [(0, 12), (16, 3), (2, 9), (11, 5), (1, 12), (17, 7), (6, 4), (7, 10), (12, 6)]
+EOS_REQUEST = 0  # the request whose greedy output supplies the EOS token
+TINY_BLOCKS, TINY_BS, TINY_PREFILL = 16, 4, 8  # a 64-position pool, prefill 8 tokens per step
+
+
+@pytest.fixture(scope="module")
+def mixtral(checkpoints, hf_models):  # noqa: F811
+    path = checkpoints("mixtral", "per_expert")
+    model, tok = hf_models(path)
+    prompts = [tok(p)["input_ids"] for p in _prompts(18)]
+    return path, model, prompts
+
+
+@pytest.fixture(scope="module")
+def eos(mixtral) -> int:
+    """A token greedy decoding of request EOS_REQUEST first emits at its 3rd step."""
+    _, model, prompts = mixtral
+    i, n = REQUESTS[EOS_REQUEST]
+    free_run, _ = _reference(model, prompts[i], n)
+    tok = free_run[2]
+    assert tok not in free_run[:2], free_run
+    return tok
+
+
+@pytest.fixture(scope="module")
+def reference(mixtral, eos):
+    """(prompt ids, max_tokens) -> (token ids, per-step logits) from transformers, cached."""
+    _, model, _ = mixtral
+    cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[torch.Tensor]]] = {}
+
+    def get(ids: list[int], max_tokens: int):
+        key = (tuple(ids), max_tokens)
+        if key not in cache:
+            cache[key] = _reference(model, ids, max_tokens, eos=eos)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def plan(mixtral):
+    """A fresh plan per test (the test overrides its eos ids through engine.info)."""
+    plan, _ = compile_model(mixtral[0])
+    return plan
+
+
+def requests(prompts: list[list[int]], spec=REQUESTS) -> list[GenRequest]:
+    return [GenRequest(f"r{j}", prompts[i], n) for j, (i, n) in enumerate(spec)]
+
+
+class Run:
+    """One generate() over a fresh engine, recording each step's work and every KVCacheFull."""
+
+    def __init__(self, plan, path, reqs, eos, *, kv_blocks=None, block_size=None, **kw):
+        self.engine = engine = Engine(plan, path, "cpu", expert_chunk=3, attn_micro_batch=2,
+                                      kv_blocks=kv_blocks, block_size=block_size, record_steps=True)
+        engine.info["eos_token_ids"] = [eos]
+        self.steps: list[list[tuple[int, int, int, int]]] = []  # per step: (sid, cached, n, prompt_len)
+        self.full = 0  # KVCacheFull raised by engine.step (each one preempts or fails a sequence)
+        self.results: dict[str, GenResult] = {}
+        self.errors: dict[str, str] = {}
+        real_step = engine.step
+
+        def step(work):
+            snapshot = [(s.sid, s.cached, n, s.prompt_len) for s, n in work]
+            try:
+                out = real_step(work)
+            except KVCacheFull:
+                self.full += 1
+                raise
+            self.steps.append(snapshot)
+            return out
+
+        engine.step = step
+        try:
+            generate(engine, reqs, lambda r: self.results.__setitem__(r.key, r), max_batch=LIMIT,
+                     record_logits=True, on_error=lambda r, m: self.errors.__setitem__(r.key, m), **kw)
+        finally:
+            engine.close()
+        kv = engine.kv
+        assert kv.free_blocks == kv.num_blocks and kv.tables == {} and kv.lengths == {}, "KV blocks leaked"
+
+
+def check_against_transformers(run: Run, reqs: list[GenRequest], reference, eos: int) -> None:
+    worst = 0.0
+    for r in reqs:
+        ref_ids, ref_logits = reference(r.prompt_ids, r.max_tokens)
+        got = run.results[r.key]
+        assert got.token_ids == ref_ids, f"{r.key}: {len(r.prompt_ids)}-token prompt, max_tokens {r.max_tokens}"
+        assert got.prompt_ids == r.prompt_ids
+        if ref_ids[-1] == eos:
+            assert got.finish_reason == "stop", r.key
+        else:
+            assert got.finish_reason == "length" and len(ref_ids) == r.max_tokens, r.key
+        assert len(got.logits) == len(ref_logits)
+        worst = max([worst, *((a - b).abs().max().item() for a, b in zip(got.logits, ref_logits))])
+    assert worst < 1e-4, f"max logit difference {worst}"
+
+
+def test_refill_matches_transformers(plan, mixtral, reference, eos):
+    """9 requests through 3 slots: every request matches transformers alone, one stops at EOS
+    early, and the batch stays full (3 sequences per step) until the queue is drained."""
+    path, _, prompts = mixtral
+    reqs = requests(prompts)
+    assert len({len(r.prompt_ids) for r in reqs}) == len(reqs), "prompts must differ in length"
+    run = Run(plan, path, reqs, eos)
+    assert set(run.results) == {r.key for r in reqs} and run.errors == {}
+    check_against_transformers(run, reqs, reference, eos)
+    early = [r.key for r in reqs if run.results[r.key].finish_reason == "stop"
+             and len(run.results[r.key].token_ids) < r.max_tokens]
+    assert f"r{EOS_REQUEST}" in early and len(run.results[f"r{EOS_REQUEST}"].token_ids) == 3
+    assert run.full == 0, "the default pool must not preempt"
+    seen: set[int] = set()
+    for i, work in enumerate(run.steps):
+        assert len(work) <= LIMIT
+        seen |= {sid for sid, *_ in work}
+        if len(seen) < len(reqs):  # requests still queued: every slot is in use
+            assert len(work) == LIMIT, f"step {i} ran {len(work)} sequences with requests waiting"
+    assert seen == set(range(len(reqs)))
+    assert run.engine.stats.steps == len(run.steps)
+
+
+def test_tiny_pool_chunked_prefill_and_preemption(plan, mixtral, reference, eos):
+    """A 16-block pool of 4 positions and 8 prefill tokens per step: long prompts are
+    prefilled in chunks across steps, sequences are preempted and recomputed, and the
+    output is still identical to transformers."""
+    path, _, prompts = mixtral
+    reqs = requests(prompts)
+    assert max(len(r.prompt_ids) + r.max_tokens for r in reqs) <= TINY_BLOCKS * TINY_BS
+    run = Run(plan, path, reqs, eos, kv_blocks=TINY_BLOCKS, block_size=TINY_BS,
+              max_prefill_tokens=TINY_PREFILL)
+    assert set(run.results) == {r.key for r in reqs} and run.errors == {}
+    check_against_transformers(run, reqs, reference, eos)
+
+    assert run.full > 0, "the tiny pool must force preemption"
+    cont = [(sid, c, n) for w in run.steps for sid, c, n, p in w if n > 1 and c > 0]
+    assert cont, "some prompt must be prefilled over several steps"
+    starts: dict[int, int] = {}
+    recomputed = set()
+    for w in run.steps:
+        assert sum(n for sid, c, n, p in w if n > 1) <= TINY_PREFILL, "prefill budget exceeded"
+        for sid, c, n, p in w:
+            if c == 0:
+                starts[sid] = starts.get(sid, 0) + 1
+                if starts[sid] > 1:
+                    recomputed.add(sid)
+                    assert n <= TINY_PREFILL
+    assert recomputed, "a preempted sequence must be recomputed from position 0"
+    # a recomputed sequence re-runs its generated tokens too: more tokens run than exist
+    total = sum(len(r.prompt_ids) + len(run.results[r.key].token_ids) - 1 for r in reqs)
+    assert run.engine.stats.tokens > total
+    assert max(rec.kv_blocks_used for rec in run.engine.stats.records) <= TINY_BLOCKS
+
+
+def test_request_too_long_for_pool_fails_alone(plan, mixtral, reference, eos):
+    """One prompt longer than the whole pool and one prompt that fits but cannot finish its
+    max_tokens go to on_error; every other request still finishes, identical to transformers."""
+    path, _, prompts = mixtral
+    too_long_prompt, too_long_run = len(prompts[8]), len(prompts[3]) + 12
+    assert too_long_prompt > TINY_BLOCKS * TINY_BS >= len(prompts[3]) + 1
+    assert too_long_run > TINY_BLOCKS * TINY_BS
+    spec = REQUESTS[:4] + [(8, 4)] + REQUESTS[4:7] + [(3, 12)] + REQUESTS[7:]
+    reqs = requests(prompts, spec)
+    bad = {"r4", "r8"}
+    run = Run(plan, path, reqs, eos, kv_blocks=TINY_BLOCKS, block_size=TINY_BS,
+              max_prefill_tokens=TINY_PREFILL)
+    assert set(run.errors) == bad
+    for key, msg in run.errors.items():
+        assert f"request {key!r}" in msg and f"the whole pool has {TINY_BLOCKS}" in msg
+        assert f"KV blocks of {TINY_BS} tokens" in msg
+    assert set(run.results) == {r.key for r in reqs} - bad
+    check_against_transformers(run, [r for r in reqs if r.key not in bad], reference, eos)
+
+
+def test_request_too_long_raises_without_on_error(plan, mixtral, eos):
+    path, _, prompts = mixtral
+    engine = Engine(plan, path, "cpu", kv_blocks=TINY_BLOCKS, block_size=TINY_BS)
+    done = []
+    try:
+        with pytest.raises(KVCacheFull, match="KV cache full"):
+            generate(engine, [GenRequest("short", prompts[16], 2), GenRequest("long", prompts[8], 2)],
+                     done.append, max_batch=LIMIT, max_prefill_tokens=TINY_PREFILL)
+    finally:
+        engine.close()
