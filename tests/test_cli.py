@@ -455,3 +455,34 @@ def test_bad_plan_file(env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert res.stderr.startswith(f"error: {plan}: "), res.stderr
     assert ("no such plan file" if case == "missing_plan" else "not a moecc plan") in res.stderr
     assert "moecc compile" in res.stderr or case == "text_file"
+
+
+def test_token_id_prompts_and_stats_file(env: Env, runs: dict[str, Future], tmp_path: Path) -> None:
+    """A prompt given as token ids runs like its text; an id outside the vocabulary fails
+    alone naming the line; stats_path gets the summary and one record per engine step."""
+    import io
+
+    from moecc_runtime.exec import run_job
+    from moecc_runtime.tokenizer import Tokenizer
+
+    _, first = result(runs, "compile_then_exec")
+    assert first.returncode == 0, first.stderr
+    ids = Tokenizer(env.ckpt).encode_prompt("The cat sat")
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text(jsonl([
+        {"custom_id": "text", "prompt": "The cat sat", "max_tokens": 4},
+        {"custom_id": "ids", "prompt": ids, "max_tokens": 4},
+        {"custom_id": "oov", "prompt": [1, 10**6], "max_tokens": 4},
+    ]))
+    out, stats = io.StringIO(), tmp_path / "stats.json"
+    summary = run_job(env.plan, prompts, out, device="cpu", log=None, stats_path=stats)
+    assert (summary.succeeded, summary.failed) == (2, 1)
+    got = by_id(read_jsonl(out.getvalue()))
+    assert got["ids"]["token_ids"] == got["text"]["token_ids"]
+    assert summary.errors[0]["error"]["line"] == 3 and "outside the model's vocabulary" in \
+        summary.errors[0]["error"]["message"]
+    data = json.loads(stats.read_text())
+    recs = data["engine"]["records"]
+    assert data["completion_tokens"] == 8 and len(recs) == data["engine"]["steps"] >= 4
+    assert sum(r["prefill_tokens"] + r["decode_tokens"] for r in recs) == data["engine"]["tokens"]
+    assert all(r["kv_allocated_bytes"] >= r["kv_live_bytes"] > 0 for r in recs)

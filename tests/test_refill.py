@@ -24,6 +24,10 @@ LIMIT = 3  # max_batch: fewer than the requests, so slots are refilled
 REQUESTS = [(0, 12), (16, 3), (2, 9), (11, 5), (1, 12), (17, 7), (6, 4), (7, 10), (12, 6)]
 EOS_REQUEST = 0  # the request whose greedy output supplies the EOS token
 TINY_BLOCKS, TINY_BS, TINY_PREFILL = 16, 4, 8  # a 64-position pool, prefill 8 tokens per step
+# What never-written pool positions hold in these tests: finite and large, so a position read
+# that should not be (a wrong mask, a stale block) changes the output visibly. Not NaN: see
+# test_unwritten_kv_positions_do_not_poison_attention for what NaN there does today.
+GARBAGE = 1e3
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +78,13 @@ def requests(prompts: list[list[int]], spec=REQUESTS) -> list[GenRequest]:
 class Run:
     """One generate() over a fresh engine, recording each step's work and every KVCacheFull."""
 
-    def __init__(self, plan, path, reqs, eos, *, kv_blocks=None, block_size=None, **kw):
+    def __init__(self, plan, path, reqs, eos, *, kv_blocks=None, block_size=None, fill=GARBAGE, **kw):
         self.engine = engine = Engine(plan, path, "cpu", expert_chunk=3, attn_micro_batch=2,
                                       kv_blocks=kv_blocks, block_size=block_size, record_steps=True)
         engine.info["eos_token_ids"] = [eos]
+        # The pool is torch.empty: make its never-written contents deterministic (see GARBAGE)
+        engine.kv.k.fill_(fill)
+        engine.kv.v.fill_(fill)
         self.steps: list[list[tuple[int, int, int, int]]] = []  # per step: (sid, cached, n, prompt_len)
         self.full = 0  # KVCacheFull raised by engine.step (each one preempts or fails a sequence)
         self.results: dict[str, GenResult] = {}
@@ -126,13 +133,13 @@ def test_refill_matches_transformers(plan, mixtral, reference, eos):
     path, _, prompts = mixtral
     reqs = requests(prompts)
     assert len({len(r.prompt_ids) for r in reqs}) == len(reqs), "prompts must differ in length"
-    run = Run(plan, path, reqs, eos)
+    run = Run(plan, path, reqs, eos, kv_blocks=64)  # 1024 positions: room for any 3 at once
     assert set(run.results) == {r.key for r in reqs} and run.errors == {}
     check_against_transformers(run, reqs, reference, eos)
     early = [r.key for r in reqs if run.results[r.key].finish_reason == "stop"
              and len(run.results[r.key].token_ids) < r.max_tokens]
     assert f"r{EOS_REQUEST}" in early and len(run.results[f"r{EOS_REQUEST}"].token_ids) == 3
-    assert run.full == 0, "the default pool must not preempt"
+    assert run.full == 0, "a pool this size must not preempt"
     seen: set[int] = set()
     for i, work in enumerate(run.steps):
         assert len(work) <= LIMIT
@@ -205,3 +212,14 @@ def test_request_too_long_raises_without_on_error(plan, mixtral, eos):
                      done.append, max_batch=LIMIT, max_prefill_tokens=TINY_PREFILL)
     finally:
         engine.close()
+
+
+@pytest.mark.xfail(strict=True, reason="runtime bug: decode attention reads the unwritten tail of a sequence's "
+                   "last KV block (masked, but the pool is torch.empty and NaN there survives the mask)")
+def test_unwritten_kv_positions_do_not_poison_attention(plan, mixtral, reference, eos):
+    """Whatever the pool held before (torch.empty: here NaN) must not reach the output: only
+    written positions may influence attention."""
+    path, _, prompts = mixtral
+    reqs = requests(prompts, REQUESTS[:3])
+    run = Run(plan, path, reqs, eos, kv_blocks=16, fill=float("nan"))
+    check_against_transformers(run, reqs, reference, eos)
