@@ -76,15 +76,20 @@ class PagedKVCache:
 
     def reserve(self, sid: int, tokens: int) -> None:
         """Make sequence `sid` hold at least `tokens` positions, taking blocks as needed.
-        All or nothing: on KVCacheFull the sequence keeps exactly what it had."""
-        table = self.tables.setdefault(sid, [])
+        All or nothing: on KVCacheFull the sequence keeps exactly what it had. New blocks
+        are zeroed, so the unwritten tail of a last block (read, masked, by attention)
+        never holds stale NaN or Inf."""
+        table = self.tables.get(sid, [])
         need = self.blocks_for(tokens) - len(table)
         if need > len(self._free):
-            if not table:
-                del self.tables[sid]
             raise KVCacheFull(sid, need, len(self._free), self.num_blocks)
-        for _ in range(max(0, need)):
-            table.append(self._free.pop())
+        self.tables[sid] = table
+        if need > 0:
+            new = [self._free.pop() for _ in range(need)]
+            table.extend(new)
+            idx = torch.tensor(new, dtype=torch.long, device=self.k.device)
+            self.k.index_fill_(2, idx, 0)  # [L, Hkv, NB, bs, D]: the new blocks, every layer
+            self.v.index_fill_(2, idx, 0)
         self.lengths[sid] = max(self.lengths.get(sid, 0), tokens)
 
     def release(self, sid: int) -> None:

@@ -400,8 +400,6 @@ def test_random_reserve_release_keeps_invariants(num_blocks, bs, seq):
         assert u.allocated_bytes - u.live_bytes < kv.bytes_per_block * max(1, len(model))
 
 
-@pytest.mark.xfail(strict=True, reason="runtime bug: a failed reserve drops the empty table of a sequence that "
-                   "had reserved 0 positions but keeps its lengths entry (tables and lengths disagree)")
 def test_failed_reserve_after_zero_reservation_keeps_state():
     kv = make(num_blocks=2, block_size=4)
     kv.reserve(0, 0)  # a known sequence holding no blocks
