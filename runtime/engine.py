@@ -110,6 +110,7 @@ class Engine:
         self.kv = PagedKVCache(i["num_layers"], i["num_kv_heads"], i["head_dim"], block_size=bs,
                                num_blocks=nb, dtype=self.dtype, device="cpu")
         self._kv_buf: tuple[torch.Tensor, torch.Tensor] | None = None  # gathered KV, reused
+        self._host_bufs: dict[str, torch.Tensor] = {}  # host buffer storage by value name, reused
         self.stats = EngineStats(records=[] if record_steps else None)
 
     # -- one step ---------------------------------------------------------------------------
@@ -186,12 +187,22 @@ class Engine:
                 full = env.get(op["name"])
                 x = inputs[0]
                 if full is None:  # [T, ...] on the host, filled micro-batch by micro-batch
-                    full = torch.empty((b.T, *x.shape[1:]), dtype=x.dtype, device="cpu")
-                    env[op["name"]] = full
+                    full = env[op["name"]] = self._host_buffer(op["name"], (b.T, *x.shape[1:]), x.dtype)
                 full[rows] = x.to("cpu")
                 continue
             last = local[op["name"]] = self._compute(op, inputs, mb)
         return last
+
+    def _host_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer's storage, kept across steps and grown when a step needs more, so
+        big steps do not pay fresh page faults for every buffer."""
+        need = 1
+        for d in shape:
+            need *= d
+        buf = self._host_bufs.get(name)
+        if buf is None or buf.numel() < need or buf.dtype != dtype:
+            buf = self._host_bufs[name] = torch.empty(max(need, 1), dtype=dtype, device="cpu")
+        return buf[:need].view(shape)
 
     def _w(self, op: dict, local: str) -> torch.Tensor:
         return self.store.get(op["weights"][local])

@@ -104,7 +104,9 @@ def route(x: torch.Tensor, w: torch.Tensor, a: dict) -> tuple[torch.Tensor, torc
 
 def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
     # x: [T, H]  gate/up: [I, H]  down: [H, I] -> [T, H]
-    return linear(ACTIVATIONS[act](linear(x, gate)) * linear(x, up), down)
+    h = ACTIVATIONS[act](linear(x, gate))  # [T, I]
+    h.mul_(linear(x, up))  # in place: one [T, I] temporary fewer
+    return linear(h, down)
 
 
 def experts(
@@ -138,6 +140,6 @@ def experts(
             sl = slots[s:s + chunk]
             tok = sl // k  # [c] token of each slot
             y = gated_mlp(x[tok], gate, up, down, act)  # [c, H]
-            y = y * flat_w[sl, None]
+            y.mul_(flat_w[sl, None])
             out.index_add_(0, tok, y.to(out.dtype))
     return out, used

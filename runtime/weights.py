@@ -45,6 +45,8 @@ class WeightStore:
                     # ACCESS_COPY: a private, writable (copy-on-write) view, so torch.frombuffer
                     # needs no copy and never writes back to the checkpoint
                     m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if hasattr(mmap, "MADV_WILLNEED"):  # start the kernel's read-ahead now, off our threads
+                    m.madvise(mmap.MADV_WILLNEED)
             except OSError as e:
                 raise WeightError(f"{path}: cannot map weight file: {e}") from e
             self._maps[fname] = m

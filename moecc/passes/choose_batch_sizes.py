@@ -11,9 +11,9 @@ Does (the rule; the OR-Tools planner replaces it in a later issue):
   b_a         = max(1, min(B, (left / 2) / (2 x one layer's KV of a full-length sequence)))
   b_e         = largest power of two <= 4096 with b_e x act_bytes_per_token <= left - b_a's KV
   prefill uses the same B, b_a and b_e, and runs at most
-  tokens_per_step = min(8192, B x prompt tokens) prompt tokens per step.
-  KV is paged in blocks of 16 positions; the pool holds the host budget's worth of blocks
-  (unbounded host: B x (ceil(seq_len / 16) + 1) blocks).
+  tokens_per_step = min(4096, B x prompt tokens) prompt tokens per step.
+  KV is paged in blocks of 8 positions; the pool holds the host budget's worth of blocks
+  (unbounded host: B x (ceil(seq_len / 8) + 1) blocks).
 A budget below the minimum working set (fixed + one token's activations) fails with the
 minimum that would fit.
 Guarantees: batch_sizes (graph.attrs["batch"] and graph.attrs["memory"]).
@@ -30,8 +30,8 @@ from moecc.sizes import format_bytes, format_size_at_least
 DEVICE_DERATE = 0.9
 HOST_DERATE = 0.8
 MAX_EXPERT_CHUNK = 4096
-KV_BLOCK_SIZE = 16
-MAX_PREFILL_TOKENS_PER_STEP = 8192
+KV_BLOCK_SIZE = 8
+MAX_PREFILL_TOKENS_PER_STEP = 4096
 
 
 def _pow2_floor(x: float, cap: int) -> int:
