@@ -28,6 +28,9 @@ def compile_cmd(
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Typical prompt length, for sizing the batch."),
     output_tokens: int = typer.Option(256, "--output-tokens", help="Typical output length, for sizing the batch."),
     max_batch: int = typer.Option(1024, "--max-batch", help="Upper bound on sequences in flight (B)."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="A preset (t4, l4, rtx4090, a5000, a6000, "
+                                           "a100-80gb, h100-80gb, h200, cpu) or a JSON file from `moecc profile`. "
+                                           "Unset: this machine's preset."),
     dump_dir: Optional[Path] = typer.Option(None, "--dump-dir", help="Write the graph after every pass as NNN_<pass>.txt."),
     print_after: list[str] = typer.Option([], "--print-after", help="Print the graph after PASS (repeatable) or 'all'."),
     verify: bool = typer.Option(False, "--verify", help="Check the graph's well-formedness after every pass."),
@@ -47,16 +50,20 @@ def compile_cmd(
 
     try:
         plan, graph = compile_model(model_dir, gpu_mem=gpu, host_mem=host, prompt_tokens=prompt_tokens,
-                                    output_tokens=output_tokens, max_batch=max_batch, dump_dir=dump_dir,
+                                    output_tokens=output_tokens, max_batch=max_batch, hardware=hardware,
+                                    dump_dir=dump_dir,
                                     print_after=set(print_after) or None, verify=verify)
     except (MoeccError, ValueError) as e:
         _fail(str(e))
     save_plan(plan, output)
     d = plan["batch"]["decode"]
+    pred = plan["predicted"]
     present = "weights present" if plan["model"]["fingerprint"]["weight_files"] else "config only (cannot exec)"
     typer.echo(f"wrote {output}: {plan['model']['architecture']}, {graph.info.num_layers} layers, "
-               f"{format_bytes(plan['predicted']['weight_bytes'])} of weights ({present}); "
-               f"decode B={d['B']} b_a={d['b_a']} b_e={d['b_e']}", err=True)
+               f"{format_bytes(pred['weight_bytes'])} of weights ({present}); "
+               f"decode B={d['B']} b_a={d['b_a']} b_e={d['b_e']}; predicted on {pred.get('hardware')}: "
+               f"prefill {pred.get('prefill_tokens_per_s', 0):.0f} tok/s, decode "
+               f"{pred.get('decode_tokens_per_s', 0):.0f} tok/s (`moecc explain {output}` says why)", err=True)
 
 
 @app.command("exec")
@@ -97,6 +104,55 @@ def exec_cmd(
     )
     if summary.failed:
         raise typer.Exit(1)
+
+
+@app.command("explain")
+def explain_cmd(
+    plan: Path = typer.Argument(..., help="Plan written by `moecc compile`."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="A prompts file to estimate the job's ETA for."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory, if moved since compile "
+                                         "(only needed with --prompts)."),
+) -> None:
+    """Predicted prefill and decode tokens/s, their bottlenecks, memory use and the ETA of a job."""
+    import json
+
+    from moecc.explain import explain, format_explain
+    from moecc_runtime.plan import PlanError, load_plan
+
+    try:
+        p = load_plan(plan)
+        rep = explain(p, prompts, model)
+    except (PlanError, OSError, RuntimeError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps(rep, indent=1) if json_out else format_explain(rep))
+
+
+@app.command("profile")
+def profile_cmd(
+    output: Path = typer.Option(Path("hw.json"), "-o", "--output", help="Where to write the hardware profile (JSON)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: the compute device to measure."),
+    dtype: list[str] = typer.Option([], "--dtype", help="Dtype of the GEMM and attention curves "
+                                    "(float32, bfloat16, float16; repeatable; default float32)."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer, smaller measurements (seconds, not a minute)."),
+) -> None:
+    """Measure this machine (GEMM, attention and copy rates) and write a hardware profile."""
+    from moecc.errors import MoeccError
+    from moecc.profile import busy_warning, measure, summarize
+
+    warning = busy_warning()
+    if warning:
+        typer.echo(warning, err=True)
+    try:
+        prof = measure(device=device, dtypes=tuple(dtype) or ("float32",), quick=quick)
+        prof.save(output)
+    except MoeccError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"cannot write {output}: {e.strerror or e}")
+    for line in summarize(prof):
+        typer.echo(line)
+    typer.echo(f"wrote {output}", err=True)
 
 
 def main() -> None:

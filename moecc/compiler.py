@@ -21,6 +21,7 @@ def compile_model(
     prompt_tokens: int = 512,
     output_tokens: int = 256,
     max_batch: int = 1024,
+    hardware: str | os.PathLike | None = None,
     dump_dir: str | os.PathLike | None = None,
     print_after: set[str] | None = None,
     verify: bool | None = None,
@@ -45,7 +46,8 @@ def compile_model(
     graph, ckpt = build_graph(model_dir)
     ctx = PassContext(
         options={"gpu_mem": gpu_mem, "host_mem": host_mem, "prompt_tokens": prompt_tokens,
-                 "output_tokens": output_tokens, "max_batch": max_batch, "checkpoint": ckpt},
+                 "output_tokens": output_tokens, "max_batch": max_batch, "checkpoint": ckpt,
+                 "hardware": None if hardware is None else str(hardware)},
         instruments=instruments,
         verify=verify,
     )

@@ -34,3 +34,7 @@ class PassError(MoeccError):
 
 class BudgetError(MoeccError):
     """The memory budgets cannot hold the model's minimum working set."""
+
+
+class HardwareError(MoeccError):
+    """An unknown hardware preset, or a hardware profile file that is missing or malformed."""

@@ -28,7 +28,7 @@ from moecc.sizes import parse_size
 from moecc.testing.checkpoints import write_checkpoint
 from moecc_runtime.plan import PlanError, check_checkpoint, save_plan
 
-PASSES = ("trace", "split_modules", "insert_host_buffers", "insert_transfers", "choose_batch_sizes", "emit_plan")
+PASSES = ("trace", "split_modules", "insert_host_buffers", "insert_transfers", "solve_batch_sizes", "emit_plan")
 PROVENANCE = re.compile(r"^# (\d{3}) made by pass (\w+) in \d+(?:\.\d+)? ms \((changed|unchanged)\)$")
 RESULT_KEYS = {"custom_id", "text", "token_ids", "finish_reason", "usage"}
 
@@ -393,11 +393,14 @@ def test_suggested_minimum_gpu_mem_is_enough(env: Env) -> None:
 
 def test_gpu_mem_budget_changes_the_plan(env: Env) -> None:
     unbounded, _ = compile_model(env.ckpt)
-    small, _ = compile_model(env.ckpt, gpu_mem=parse_size("1MB"))
-    assert small["memory"]["device"]["budget"] == 900_000
-    assert small["batch"]["decode"]["b_e"] < unbounded["batch"]["decode"]["b_e"]
+    small, _ = compile_model(env.ckpt, gpu_mem=parse_size("2MB"))
+    dev = small["memory"]["device"]
+    assert dev["budget"] == 1_800_000
+    assert max(dev["decode_total"], dev["prefill_total"]) <= dev["budget"]
+    assert unbounded["memory"]["device"]["budget"] is None
+    assert small["batch"] != unbounded["batch"]
     with pytest.raises(MoeccError, match="minimum working set"):
-        compile_model(env.ckpt, gpu_mem=small["memory"]["device"]["minimum"] // 2)
+        compile_model(env.ckpt, gpu_mem=dev["decode_total"] // 4)
 
 
 # ----------------------------------------------------------------------------- plan / checkpoint mismatches

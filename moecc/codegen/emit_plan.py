@@ -83,6 +83,7 @@ class EmitPlan(Pass):
                 "flops_per_token": flops,
                 "weight_bytes": g.weight_bytes,
                 "kv_bytes_per_token": g.info.kv_bytes_per_token,
+                **g.attrs.get("predicted", {}),
             },
         }
         g.attrs["plan"] = plan

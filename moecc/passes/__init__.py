@@ -3,7 +3,8 @@
     split_modules        decoder layers -> attention module + expert (or dense MLP) module
     insert_host_buffers  module boundaries -> hidden states gathered in host buffers
     insert_transfers     weight fetches before each module, KV load/store around attention
-    choose_batch_sizes   B, b_a, b_e per phase under the memory budgets (simple rule)
+    solve_batch_sizes    B, b_a, b_e per phase, slots, prefetch, residency: CP-SAT over a
+                         measured performance model (moecc/planner)
     emit_plan            lower to the plain-data plan the runtime reads (moecc/codegen)
 """
 
@@ -14,7 +15,7 @@ from moecc.pass_infra import Pass
 
 def default_pipeline() -> list[Pass]:
     from moecc.codegen.emit_plan import EmitPlan
-    from moecc.passes.choose_batch_sizes import ChooseBatchSizes
+    from moecc.passes.solve_batch_sizes import SolveBatchSizes
     from moecc.passes.insert_host_buffers import InsertHostBuffers
     from moecc.passes.insert_transfers import InsertTransfers
     from moecc.passes.split_modules import SplitModules
@@ -23,9 +24,9 @@ def default_pipeline() -> list[Pass]:
         SplitModules(),  # attention vs expert modules per layer
         InsertHostBuffers(),  # host buffers at module boundaries
         InsertTransfers(),  # weight fetches and KV movement
-        ChooseBatchSizes(),  # B, b_a, b_e (rule; the ILP replaces it later)
+        SolveBatchSizes(),  # B, b_a, b_e, slots, prefetch, residency (CP-SAT)
         EmitPlan(),  # plain-data plan
     ]
 
 
-PASS_NAMES = ("split_modules", "insert_host_buffers", "insert_transfers", "choose_batch_sizes", "emit_plan")
+PASS_NAMES = ("split_modules", "insert_host_buffers", "insert_transfers", "solve_batch_sizes", "emit_plan")

@@ -1,0 +1,101 @@
+"""`moecc explain plan.pt`: what the planner predicted and why, from the plan alone.
+
+Reads only the plan's plain data (and, for an ETA, the prompts file through the runtime's
+own parser and tokenizer); imports no solver.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moecc.sizes import format_bytes
+
+
+def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path | None = None,
+            default_max_tokens: int = 256) -> dict[str, Any]:
+    """The explain report as plain data (what `--json` prints)."""
+    pred = plan.get("predicted", {})
+    batch = plan["batch"]
+    mem = plan.get("memory", {})
+    dev = mem.get("device", {})
+    host = mem.get("host", {})
+    out: dict[str, Any] = {
+        "model": plan["model"]["architecture"],
+        "hardware": pred.get("hardware"),
+        "prefill_tokens_per_s": pred.get("prefill_tokens_per_s"),
+        "decode_tokens_per_s": pred.get("decode_tokens_per_s"),
+        "job_tokens_per_s": pred.get("job_tokens_per_s"),
+        "bottleneck": pred.get("bottleneck"),
+        "device_bytes": {k: v for k, v in dev.items() if v is not None},
+        "host_bytes": {k: v for k, v in host.items() if v is not None},
+        "batch": {phase: {k: batch[phase][k] for k in ("B", "b_a", "b_e") if k in batch[phase]}
+                  for phase in ("prefill", "decode")},
+        "overlap": batch.get("overlap"),
+        "workload": batch.get("workload"),
+    }
+    if prompts is not None:
+        out["eta"] = _eta(plan, prompts, model_dir, default_max_tokens, out)
+    return out
+
+
+def _eta(plan: dict[str, Any], prompts: Path, model_dir: Path | None, default_max: int,
+         rep: dict[str, Any]) -> dict[str, Any]:
+    from moecc_runtime.plan import check_checkpoint
+    from moecc_runtime.requests import RequestError, iter_requests
+    from moecc_runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(check_checkpoint(plan, model_dir))
+    n = bad = prompt_tokens = output_tokens = 0
+    for item in iter_requests(prompts):
+        if isinstance(item, RequestError):
+            bad += 1
+            continue
+        if isinstance(item.prompt, tuple):
+            ids = list(item.prompt)
+        elif item.prompt is not None:
+            ids = tok.encode_prompt(item.prompt)
+        else:
+            ids = tok.encode_messages(item.messages)
+        n += 1
+        prompt_tokens += len(ids)
+        output_tokens += item.max_tokens or default_max
+    pre, dec = rep["prefill_tokens_per_s"] or 0, rep["decode_tokens_per_s"] or 0
+    seconds = (prompt_tokens / pre if pre else 0) + (output_tokens / dec if dec else 0)
+    return {"requests": n, "invalid": bad, "prompt_tokens": prompt_tokens, "max_output_tokens": output_tokens,
+            "seconds": seconds, "note": "upper bound: requests that stop at EOS finish sooner"}
+
+
+def format_explain(rep: dict[str, Any]) -> str:
+    lines = [f"{rep['model']} on {rep['hardware'] or 'unknown hardware'}"]
+    b = rep["batch"]
+    for phase in ("prefill", "decode"):
+        rate = rep.get(f"{phase}_tokens_per_s")
+        neck = (rep.get("bottleneck") or {}).get(phase, "-")
+        pb = b.get(phase, {})
+        lines.append(f"  {phase:8s} {rate:12.1f} tok/s  bottleneck: {neck:18s} B={pb.get('B')} b_a={pb.get('b_a')} "
+                     f"b_e={pb.get('b_e')}" if rate else f"  {phase:8s} (no prediction in this plan)")
+    if rep.get("job_tokens_per_s"):
+        lines.append(f"  job      {rep['job_tokens_per_s']:12.1f} generated tok/s for the compiled workload "
+                     f"{rep.get('workload')}")
+    ov = rep.get("overlap")
+    if ov:
+        lines.append(f"  overlap: {ov.get('expert_slots')} expert slots, prefetch depth {ov.get('prefetch')}, "
+                     f"resident: {', '.join(ov.get('resident') or []) or 'none'}")
+    for side in ("device", "host"):
+        d = rep[f"{side}_bytes"]
+        if not d:
+            continue
+        lines.append(f"  {side} memory:")
+        for k, v in d.items():
+            lines.append(f"    {k:18s} {format_bytes(int(v)):>12s}")
+    eta = rep.get("eta")
+    if eta:
+        lines.append(f"  ETA for {eta['requests']} requests ({eta['prompt_tokens']} prompt tokens, up to "
+                     f"{eta['max_output_tokens']} output tokens): {_hms(eta['seconds'])} ({eta['note']})")
+    return "\n".join(lines)
+
+
+def _hms(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"

@@ -1,0 +1,244 @@
+"""One engine step as a DAG of compute and copy jobs, and its critical path.
+
+The jobs are what the runtime does for one step of a phase (prefill or decode):
+  per layer: fetch the attention weights (unless resident); per attention micro-batch,
+  load its KV (a copy; on a CPU-only device a gather the compute thread does), run
+  projections and attention, store the new K/V; then the router over all rows, and for
+  each expert in use, fetch it (unless resident) and run it over its tokens in chunks of
+  b_e; dense MLPs in chunks of b_e; finally the head over the rows that sample.
+Edges: data dependencies, program order on each lane (one compute lane, one copy lane),
+and slot reuse: with prefetch depth p, the fetch of expert i waits for the compute of
+expert i - p - 1 (p = 0: no overlap of fetch and compute).
+The predicted step time is the longest path; the same networkx DAG is what timelines draw.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import networkx as nx
+
+from moecc.planner.costs import LayerCost, ModelCost
+
+#: Fixed cost of one kernel launch / Python-level op in the runtime (seconds).
+OP_OVERHEAD_S = 15e-6
+
+
+class Rates(Protocol):
+    """What the schedule needs from a hardware profile."""
+
+    device_kind: str
+
+    def gemm_rate(self, dtype: str, tokens: int) -> float: ...
+
+    def attention_rate(self, dtype: str, kv_bytes: float, on_cpu: bool = False) -> float: ...
+
+    def copy_rate(self, direction: str, nbytes: float) -> float: ...
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The work of one step: S sequences, T rows (tokens), mean context c per sequence,
+    R rows reaching the head."""
+
+    S: int
+    T: int
+    context: float
+    head_rows: int
+
+
+@dataclass(frozen=True)
+class Knobs:
+    b_a: int
+    b_e: int
+    prefetch: int = 1
+    resident: frozenset[str] = frozenset()  # "L{i}.attn", "L{i}.experts", "L{i}.dense", "head", "all"
+
+    def is_resident(self, what: str) -> bool:
+        return "all" in self.resident or what in self.resident
+
+
+@dataclass
+class Job:
+    name: str
+    lane: str  # "compute" | "copy"
+    seconds: float
+    kind: str  # gemm | attention | gather | fetch | kv_load | kv_store | head
+    layer: int | None = None
+    start: float = 0.0
+
+    @property
+    def end(self) -> float:
+        return self.start + self.seconds
+
+
+@dataclass
+class Schedule:
+    dag: nx.DiGraph
+    jobs: dict[str, Job]
+    seconds: float
+    critical_path: list[str]
+    totals: dict[str, float] = field(default_factory=dict)  # seconds by lane
+
+    def bottleneck(self) -> str:
+        """What the critical path spends most of its time on."""
+        by_kind: dict[str, float] = {}
+        for name in self.critical_path:
+            j = self.jobs[name]
+            key = "host->device link" if j.lane == "copy" else (
+                "attention" if j.kind in ("attention", "gather") else "device compute")
+            by_kind[key] = by_kind.get(key, 0.0) + j.seconds
+        return max(by_kind, key=by_kind.get) if by_kind else "none"
+
+
+def gemm_seconds(rates: Rates, dtype: str, flops_per_row: float, rows: float, chunk: int) -> float:
+    """Rows in chunks of at most `chunk`, each chunk at the rate for its row count."""
+    if rows <= 0 or flops_per_row <= 0:
+        return 0.0
+    full, rest = divmod(rows, chunk)
+    t = 0.0
+    if full:
+        t += full * (chunk * flops_per_row / rates.gemm_rate(dtype, int(chunk)) + OP_OVERHEAD_S)
+    if rest > 0:
+        t += rest * flops_per_row / rates.gemm_rate(dtype, max(1, int(round(rest)))) + OP_OVERHEAD_S
+    return t
+
+
+def experts_in_use(lc: LayerCost, T: float) -> float:
+    """Expected experts chosen by at least one of T tokens (uniform routing)."""
+    if not lc.moe or T <= 0:
+        return 0.0
+    return lc.num_experts * (1.0 - (1.0 - lc.top_k / lc.num_experts) ** T)
+
+
+def attn_micro_seconds(lc: LayerCost, rates: Rates, dtype: str, s_m: float, t_m: float, c: float) -> float:
+    """Compute of one attention micro-batch: projections at its row count, attention at the
+    rate it reads KV (plus, on a CPU-only device, the gather of that KV)."""
+    cpu = rates.device_kind == "cpu"
+    kv = s_m * c * lc.kv_bytes_per_ctx
+    proj = gemm_seconds(rates, dtype, lc.attn_flops, t_m, max(1, int(math.ceil(t_m))))
+    att = kv / rates.attention_rate(dtype, kv, on_cpu=cpu) if kv > 0 else 0.0
+    gather = (kv / rates.copy_rate("h2d", kv) + OP_OVERHEAD_S) if cpu and kv > 0 else 0.0
+    return proj + att + gather + 12 * OP_OVERHEAD_S
+
+
+def attn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, shape: StepShape, b_a: int) -> float:
+    M = max(1, math.ceil(shape.S / max(1, b_a)))
+    return M * attn_micro_seconds(lc, rates, dtype, shape.S / M, shape.T / M, shape.context)
+
+
+def ffn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, b_e: int) -> float:
+    """Router plus every expert in use over its tokens in chunks of b_e (or the dense MLP)."""
+    t = gemm_seconds(rates, dtype, lc.router_flops, T, max(1, int(T))) + 6 * OP_OVERHEAD_S
+    if lc.moe:
+        used = experts_in_use(lc, T)
+        per_expert = T * lc.top_k / max(used, 1e-9)
+        return t + used * (gemm_seconds(rates, dtype, lc.expert_flops, per_expert, b_e) + 8 * OP_OVERHEAD_S)
+    return t + gemm_seconds(rates, dtype, lc.dense_flops, T, b_e)
+
+
+def head_seconds(cost: ModelCost, rates: Rates, rows: int) -> float:
+    return gemm_seconds(rates, cost.dtype, cost.head_flops, rows, max(1, rows)) + 4 * OP_OVERHEAD_S
+
+
+def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs) -> Schedule:
+    """The step's job DAG and its critical path (times from `rates`)."""
+    dt = cost.dtype
+    cpu = rates.device_kind == "cpu"
+    g = nx.DiGraph()
+    jobs: dict[str, Job] = {}
+    last = {"compute": None, "copy": None}
+
+    def add(name: str, lane: str, seconds: float, kind: str, deps: list[str | None], layer: int | None = None,
+            ) -> str:
+        jobs[name] = Job(name, lane, max(0.0, seconds), kind, layer)
+        g.add_node(name)
+        for d in deps + [last[lane]]:
+            if d is not None:
+                g.add_edge(d, name)
+        last[lane] = name
+        return name
+
+    def copy(bytes_: float, direction: str = "h2d") -> float:
+        return bytes_ / rates.copy_rate(direction, bytes_) if bytes_ > 0 else 0.0
+
+    S, T, c = shape.S, shape.T, shape.context
+    M = max(1, math.ceil(S / max(1, knobs.b_a)))
+    prev = add("stem", "compute", OP_OVERHEAD_S * 3, "gemm", [])
+    all_attn: list[str] = []  # attention jobs in order: KV buffers are double-buffered across them
+    for lc in cost.layers:
+        i = lc.layer
+        wfetch = None
+        if not knobs.is_resident(f"L{i}.attn") and not cpu:
+            wfetch = add(f"L{i}.fetch.attn", "copy", copy(lc.attn_bytes), "fetch", [], i)
+        attn_jobs = []
+        for m in range(M):
+            s_m, t_m = S / M, T / M
+            kv = s_m * c * lc.kv_bytes_per_ctx
+            load = None
+            if not cpu:  # waits for its buffer: the one two attention jobs back (on a CPU-only
+                # device the gather is the compute thread's own memcpy, inside the attention job)
+                load = add(f"L{i}.kv_load.{m}", "copy", copy(kv), "kv_load",
+                           [all_attn[-2] if len(all_attn) >= 2 else None], i)
+            a = add(f"L{i}.attn.{m}", "compute", attn_micro_seconds(lc, rates, dt, s_m, t_m, c), "attention",
+                    [prev, load, wfetch], i)
+            attn_jobs.append(a)
+            all_attn.append(a)
+            if not cpu:
+                add(f"L{i}.kv_store.{m}", "copy", copy(t_m * lc.kv_bytes_per_ctx, "d2h"), "kv_store", [a], i)
+        prev = add(f"L{i}.router", "compute", gemm_seconds(rates, dt, lc.router_flops, T, max(1, T))
+                   + 6 * OP_OVERHEAD_S, "gemm", attn_jobs, i)
+        if lc.moe:
+            used = experts_in_use(lc, T)
+            n_jobs = max(1, int(math.ceil(used - 1e-9)))
+            per_expert = T * lc.top_k / max(used, 1e-9)  # tokens per expert in use
+            computes: list[str] = []
+            resident = knobs.is_resident(f"L{i}.experts") or cpu
+            for e in range(n_jobs):
+                share = min(1.0, used - e)  # the last job carries the fractional expert
+                deps: list[str | None] = []
+                fetch = None
+                if not resident:
+                    back = e - knobs.prefetch - 1
+                    fetch = add(f"L{i}.fetch.e{e}", "copy", share * copy(lc.expert_bytes), "fetch",
+                                [computes[back] if back >= 0 else prev], i)
+                t = share * gemm_seconds(rates, dt, lc.expert_flops, per_expert, knobs.b_e) + share * 8 * OP_OVERHEAD_S
+                computes.append(add(f"L{i}.expert.{e}", "compute", t, "gemm", [prev, fetch] + deps, i))
+            prev = computes[-1]
+        else:
+            dfetch = None
+            if not knobs.is_resident(f"L{i}.dense") and not cpu:
+                dfetch = add(f"L{i}.fetch.dense", "copy", copy(lc.dense_bytes), "fetch", [prev], i)
+            prev = add(f"L{i}.mlp", "compute", gemm_seconds(rates, dt, lc.dense_flops, T, knobs.b_e), "gemm",
+                       [prev, dfetch], i)
+    hfetch = None
+    if not knobs.is_resident("head") and not cpu:
+        hfetch = add("head.fetch", "copy", copy(cost.head_bytes), "fetch", [])
+    add("head", "compute", head_seconds(cost, rates, shape.head_rows), "head", [prev, hfetch])
+    return _critical(g, jobs)
+
+
+def _critical(g: nx.DiGraph, jobs: dict[str, Job]) -> Schedule:
+    finish: dict[str, float] = {}
+    via: dict[str, str | None] = {}
+    for name in nx.topological_sort(g):
+        j = jobs[name]
+        preds = list(g.predecessors(name))
+        j.start = max((finish[p] for p in preds), default=0.0)
+        via[name] = max(preds, key=lambda p: finish[p]) if preds else None
+        finish[name] = j.end
+    end = max(finish, key=finish.get)
+    path = [end]
+    while via[path[-1]] is not None:
+        path.append(via[path[-1]])
+    totals: dict[str, float] = {}
+    for j in jobs.values():
+        totals[j.lane] = totals.get(j.lane, 0.0) + j.seconds
+    return Schedule(g, jobs, finish[end], path[::-1], totals)
+
+
+def describe(s: Schedule) -> dict[str, Any]:
+    return {"seconds": s.seconds, "bottleneck": s.bottleneck(), "lanes": s.totals,
+            "critical_jobs": len(s.critical_path)}

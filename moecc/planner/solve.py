@@ -1,0 +1,487 @@
+"""The planner's integer program (OR-Tools CP-SAT), solved once per candidate batch B.
+
+Formulation (all times in µs, memory in bytes; `x_*` one-hot choices, `r_g` residency):
+  B               enumerated outside the program (as FlexGen does, to keep it linear);
+                  candidates: powers of two up to min(--max-batch, what host memory holds)
+  decode          x_a[b_a] (attention micro-batch), x_e[b_e] (expert chunk)
+  prefill         z[(b_a, b_e)] for each prompt-tokens-per-step tps (enumerated outside)
+  overlap         y[p] prefetch depth p in {0..3}; p + 1 expert slots on the device
+  residency       r_g for g in L{i}.attn, L{i}.experts, L{i}.dense, head (1 = kept on device)
+  per phase f and layer l:
+    comp_fl = sum x . attention time(b_a) + sum x . expert/MLP time(b_e)      (measured rates)
+    copy_fl = sum_g (1 - r_g) . fetch time(g) + KV load/store time           (0 on a CPU device
+                                                                               without --gpu-mem)
+    t_fl >= comp_fl,  t_fl >= copy_fl,  t_fl >= comp_fl + copy_fl - BIG . (1 - y[0])
+    T_f = sum_l t_fl + head_f (+ its fetch)
+  device memory (each phase, when --gpu-mem is set), at a 0.9 derate:
+    sum_g r_g . bytes_g + (p + 1) . largest expert + 2 . largest dense module
+    + 2 . b_a . max context . one layer's KV per position + b_e . expert activation row
+    + rows . hidden . 6 . itemsize (micro-batch temporaries)  <= budget
+  host memory (when --host-mem is set), at a 0.8 derate:
+    weights + B . blocks per sequence . block bytes + rows . host-buffer bytes per row <= budget
+  objective (per request): minimise output/B . T_decode + prompt/tps . T_prefill,
+    i.e. maximise the job's generated tokens/s; B and tps are enumerated outside (each a
+    constant there, so the objective is linear) and the best pair wins.
+`enumerate_best` evaluates the same model by brute force (tests check they agree).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from moecc.planner.costs import ModelCost
+from moecc.planner.schedule import (Knobs, Rates, StepShape, attn_layer_seconds, experts_in_use,
+                                    ffn_layer_seconds, head_seconds)
+
+DEVICE_DERATE = 0.9
+HOST_DERATE = 0.8
+TEMP_ALLOWANCE = 0  # the 0.9 derate leaves 10% of --gpu-mem for temporaries
+KV_BLOCK = 8
+US = 1e6  # time unit of the program: microseconds
+T_MAX = 10**9  # µs: bound on one step (1000 s) (keeps every product inside int64)
+
+
+@dataclass
+class Problem:
+    cost: ModelCost
+    rates: Rates
+    prompt_tokens: float
+    output_tokens: float
+    gpu_mem: int | None = None
+    host_mem: int | None = None
+    max_batch: int = 1024
+    b_e_options: tuple[int, ...] = (8, 32, 128, 256, 512, 1024, 2048, 4096)
+    tps_options: tuple[int, ...] = (256, 1024, 2048, 4096, 8192)
+    prefetch_options: tuple[int, ...] = (0, 1, 2, 3)
+    b_a_options_max: int = 6  # how many powers of two below B to offer for b_a
+    pareto: bool = True  # drop dominated options before solving (exact; off only to test that)
+
+    @property
+    def seq_len(self) -> int:
+        return int(math.ceil(self.prompt_tokens + self.output_tokens))
+
+    @property
+    def copies(self) -> bool:
+        """Weights and KV cross a link only when a device budget is set (else read in place)."""
+        return self.gpu_mem is not None
+
+    def groups(self) -> dict[str, int]:
+        """Residency groups and their bytes."""
+        out: dict[str, int] = {}
+        if not self.copies:
+            return out
+        for lc in self.cost.layers:
+            out[f"L{lc.layer}.attn"] = lc.attn_bytes
+            if lc.moe:
+                out[f"L{lc.layer}.experts"] = lc.expert_bytes * lc.num_experts
+            out[f"L{lc.layer}.dense"] = lc.dense_bytes + lc.router_bytes
+        out["head"] = self.cost.head_bytes
+        return out
+
+
+@dataclass
+class Choice:
+    B: int
+    b_a: int
+    b_e: int
+    prefill: tuple[int, int, int]  # tps, b_a, b_e
+    prefetch: int
+    resident: frozenset[str]
+
+
+@dataclass
+class Solution:
+    choice: Choice
+    seconds_per_request: float  # output/B x T_decode + prompt/tps x T_prefill (the linear model)
+    decode_step_s: float  # linear model
+    prefill_step_s: float
+    device_bytes: dict[str, int]
+    host_bytes: dict[str, int]
+    binding: list[str]
+    status: str
+    solve_s: float
+    candidates: list[dict[str, Any]] = field(default_factory=list)  # per B tried
+
+    def tokens_per_s(self, pr: "Problem") -> float:
+        """The linear model's job throughput: generated tokens per second of one request's
+        share of the steps."""
+        t = pr.output_tokens / self.choice.B * self.decode_step_s + \
+            pr.prompt_tokens / self.choice.prefill[0] * self.prefill_step_s
+        return pr.output_tokens / t if t > 0 else 0.0
+
+
+# -- the coefficient tables both the program and the enumeration use -----------------------
+
+@dataclass
+class _Tables:
+    B: int
+    b_a: list[int]
+    b_e: list[int]
+    pre: list[tuple[int, int, int]]
+    p: list[int]
+    groups: dict[str, int]
+    dec_attn: dict[int, list[int]]  # b_a -> ns per layer
+    dec_ffn: dict[int, list[int]]  # b_e -> ns per layer
+    pre_comp: dict[tuple[int, int, int], list[int]]  # -> ns per layer
+    dec_head: int
+    pre_head: dict[tuple[int, int, int], int]
+    dec_copy_fixed: list[int]  # KV traffic per layer (ns)
+    pre_copy_fixed: dict[tuple[int, int, int], list[int]]
+    fetch_ns: dict[str, dict[str, int]]  # phase -> group -> ns when not resident (per step)
+    dev_fixed: int
+    dev_b_a: dict[int, int]
+    dev_b_e: dict[int, int]
+    dev_pre: dict[tuple[int, int, int], int]
+    dev_p: dict[int, int]
+    host_bytes: dict[str, int]
+    w_dec: float  # decode steps per request
+    w_pre: dict[tuple[int, int, int], float]  # prefill steps per request
+
+
+def _tables(pr: Problem, B: int) -> _Tables:
+    c, r, dt = pr.cost, pr.rates, pr.cost.dtype
+    b_a = sorted({max(1, B >> i) for i in range(pr.b_a_options_max)})
+    b_e = [e for e in pr.b_e_options] or [4096]
+    pre_tps = sorted({min(t, max(1, int(B * pr.prompt_tokens))) for t in pr.tps_options})
+    pre = [(t, a, e) for t in pre_tps for a in b_a for e in b_e]
+    p = list(pr.prefetch_options) if pr.copies else [1]
+    ctx_dec = pr.prompt_tokens + pr.output_tokens / 2
+    dec = StepShape(S=B, T=B, context=ctx_dec, head_rows=B)
+
+    def pre_shape(t: int) -> StepShape:
+        seqs = max(1.0, t / max(pr.prompt_tokens, 1))
+        return StepShape(S=int(math.ceil(seqs)), T=t, context=pr.prompt_tokens / 2, head_rows=int(math.ceil(seqs)))
+
+    ns = lambda s: int(round(s * US))  # noqa: E731
+    dec_attn = {a: [ns(attn_layer_seconds(lc, r, dt, dec, a)) for lc in c.layers] for a in b_a}
+    dec_ffn = {e: [ns(ffn_layer_seconds(lc, r, dt, B, e)) for lc in c.layers] for e in b_e}
+    pre_comp = {}
+    pre_head = {}
+    pre_copy_fixed = {}
+    for t, a, e in pre:
+        sh = pre_shape(t)
+        pre_comp[(t, a, e)] = [ns(attn_layer_seconds(lc, r, dt, sh, a) + ffn_layer_seconds(lc, r, dt, t, e))
+                               for lc in c.layers]
+        pre_head[(t, a, e)] = ns(head_seconds(c, r, sh.head_rows))
+
+    def kv_copy(shape: StepShape) -> list[int]:
+        if not pr.copies:
+            return [0 for _ in c.layers]
+        out = []
+        for lc in c.layers:
+            load = shape.S * shape.context * lc.kv_bytes_per_ctx
+            store = shape.T * lc.kv_bytes_per_ctx
+            out.append(ns(load / r.copy_rate("h2d", load) + store / r.copy_rate("d2h", max(store, 1))))
+        return out
+
+    for key in pre:
+        pre_copy_fixed[key] = kv_copy(pre_shape(key[0]))
+    groups = pr.groups()
+    fetch_ns: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
+    for phase, T in (("decode", B), ("prefill", max(pre_tps))):
+        for g, nbytes in groups.items():
+            used = nbytes
+            if g.endswith(".experts"):
+                lc = c.layers[int(g.split(".")[0][1:])]
+                used = experts_in_use(lc, T) * lc.expert_bytes
+            fetch_ns[phase][g] = ns(used / r.copy_rate("h2d", used)) if used else 0
+    kv_layer_pos = max((lc.kv_bytes_per_ctx for lc in c.layers), default=0)
+    it = c.itemsize
+    dev_b_a = {a: 2 * a * pr.seq_len * kv_layer_pos + a * c.hidden * 6 * it for a in b_a}
+    dev_b_e = {e: e * c.act_bytes_per_token for e in b_e}
+    dev_pre = {(t, a, e): 2 * a * pr.seq_len * kv_layer_pos + min(t, a * max(1, int(pr.prompt_tokens))) * c.hidden
+               * 6 * it + e * c.act_bytes_per_token for t, a, e in pre}
+    dev_p = {q: (q + 1) * c.max_expert_bytes for q in p}
+    # drop dominated options (no faster in any layer and no smaller): they can never be optimal
+    if pr.pareto:
+        b_a, b_e, pre = _prune(pr, b_a, b_e, pre, pre_tps, dec_attn, dec_ffn, pre_comp, pre_head, dev_b_a, dev_b_e,
+                               dev_pre)
+    blocks = -(-pr.seq_len // KV_BLOCK)
+    host = {"weights": c.weight_bytes, "kv_cache": B * (blocks + 1) * KV_BLOCK * c.kv_bytes_per_token,
+            "buffers": max(B, max(pre_tps)) * c.buffer_bytes_per_token}
+    return _Tables(
+        B=B, b_a=b_a, b_e=b_e, pre=pre, p=p, groups=groups, dec_attn=dec_attn, dec_ffn=dec_ffn,
+        pre_comp=pre_comp, dec_head=ns(head_seconds(c, r, B)), pre_head=pre_head, dec_copy_fixed=kv_copy(dec),
+        pre_copy_fixed=pre_copy_fixed, fetch_ns=fetch_ns,
+        dev_fixed=(2 * c.max_dense_module_bytes if pr.copies else 0) + TEMP_ALLOWANCE,
+        dev_b_a=dev_b_a, dev_b_e=dev_b_e, dev_pre=dev_pre, dev_p=dev_p, host_bytes=host,
+        w_dec=pr.output_tokens / B,
+        w_pre={k: pr.prompt_tokens / k[0] for k in pre},
+    )
+
+
+def _prune(pr, b_a, b_e, pre, pre_tps, dec_attn, dec_ffn, pre_comp, pre_head, dev_b_a, dev_b_e, dev_pre):
+    b_a = _pareto(b_a, lambda a: dec_attn[a], lambda a: dev_b_a[a])
+    b_e = _pareto(b_e, lambda e: dec_ffn[e], lambda e: dev_b_e[e])
+    pre = [k for t in pre_tps for k in _pareto([k for k in pre if k[0] == t],
+                                               lambda k: pre_comp[k] + [pre_head[k]], lambda k: dev_pre[k])]
+    return b_a, b_e, pre
+
+
+def _pareto(options: list, times, mem) -> list:
+    """Options not dominated by another (all layer times <= and memory <=, one strictly)."""
+    keep = []
+    for o in options:
+        to, mo = times(o), mem(o)
+        dominated = False
+        for q in options:
+            if q is o:
+                continue
+            tq, mq = times(q), mem(q)
+            if mq <= mo and all(a <= b for a, b in zip(tq, to)) and (mq < mo or tq != to or
+                                                                      options.index(q) < options.index(o)):
+                dominated = True
+                break
+        if not dominated:
+            keep.append(o)
+    return keep
+
+
+def _signature(lc) -> tuple:
+    return tuple(v for k, v in vars(lc).items() if k != "layer")
+
+
+def _lower_bound(tb: _Tables, pre: list[tuple[int, int, int]]) -> float:
+    """Seconds per request with every weight resident and no memory limit: no choice of
+    residency, slots or budget can do better."""
+    L = len(tb.dec_copy_fixed)
+    dec = min(sum(max(tb.dec_attn[a][i] + tb.dec_ffn[e][i], tb.dec_copy_fixed[i]) for i in range(L))
+              for a in tb.b_a for e in tb.b_e) + tb.dec_head
+    pre_t = min(sum(max(tb.pre_comp[k][i], tb.pre_copy_fixed[k][i]) for i in range(L)) + tb.pre_head[k]
+                for k in pre)
+    return (tb.w_dec * dec + tb.w_pre[pre[0]] * pre_t) / US
+
+
+def _layer_groups(tb: _Tables, layer: int) -> list[str]:
+    return [g for g in tb.groups if g.startswith(f"L{layer}.")]
+
+
+# -- CP-SAT --------------------------------------------------------------------------------
+
+def solve_for_batch(pr: Problem, B: int, time_limit_s: float = 10.0, bound: float | None = None,
+                    tb: "_Tables | None" = None) -> Solution | None:
+    """The best choice for this B, or None when nothing fits (or nothing beats `bound`,
+    seconds per request). The prompt tokens per prefill step are enumerated too (few
+    values), so the objective stays linear."""
+    tb = tb or _tables(pr, B)
+    if pr.host_mem is not None and sum(tb.host_bytes.values()) > pr.host_mem * HOST_DERATE:
+        return None
+    if not pr.copies:  # nothing couples the choices: the exact optimum by enumeration
+        sol = _enumerate(pr, tb)
+        if sol is not None:
+            sol.status = "optimal (no device budget: enumerated)"
+        return sol
+    best: Solution | None = None
+    t0 = time.perf_counter()
+    groups = [[k for k in tb.pre if k[0] == tps] for tps in sorted({k[0] for k in tb.pre})]
+    for pre in sorted(groups, key=lambda g: _lower_bound(tb, g)):
+        if bound is not None and _lower_bound(tb, pre) >= bound:
+            continue  # cannot beat what is already found
+        if best is not None and _lower_bound(tb, pre) >= best.seconds_per_request:
+            continue
+        sol = _cp_sat(pr, tb, pre, time_limit_s)
+        if sol is not None and (best is None or sol.seconds_per_request < best.seconds_per_request):
+            best = sol
+    if best is not None:
+        best.solve_s = time.perf_counter() - t0
+    return best
+
+
+def _cp_sat(pr: Problem, tb: _Tables, pre: list[tuple[int, int, int]], time_limit_s: float) -> Solution | None:
+    from ortools.sat.python import cp_model
+
+    m = cp_model.CpModel()
+    xa = {a: m.NewBoolVar(f"dec_b_a={a}") for a in tb.b_a}
+    xe = {e: m.NewBoolVar(f"dec_b_e={e}") for e in tb.b_e}
+    z = {k: m.NewBoolVar(f"pre={k}") for k in pre}
+    y = {q: m.NewBoolVar(f"prefetch={q}") for q in tb.p}
+    rg = {g: m.NewBoolVar(f"resident[{g}]") for g in tb.groups}
+    for group in (xa, xe, z, y):
+        m.AddExactlyOne(group.values())
+    # identical layers are interchangeable: keep the earlier one resident first (breaks the
+    # L! symmetric copies of every solution; changes no optimum)
+    layers = pr.cost.layers
+    for a, b in zip(layers, layers[1:]):
+        if _signature(a) == _signature(b):
+            for kind in ("attn", "experts", "dense"):
+                ga, gb = f"L{a.layer}.{kind}", f"L{b.layer}.{kind}"
+                if ga in rg and gb in rg:
+                    m.Add(rg[ga] >= rg[gb])
+    L = len(pr.cost.layers)
+    phase_T = {}
+    for phase in ("decode", "prefill"):
+        ts = []
+        for i in range(L):
+            if phase == "decode":
+                comp = sum(xa[a] * tb.dec_attn[a][i] for a in tb.b_a) + sum(xe[e] * tb.dec_ffn[e][i] for e in tb.b_e)
+                fixed = tb.dec_copy_fixed[i]
+            else:
+                comp = sum(z[k] * tb.pre_comp[k][i] for k in pre)
+                fixed = sum(z[k] * tb.pre_copy_fixed[k][i] for k in pre)
+            copy = fixed + sum((1 - rg[g]) * tb.fetch_ns[phase][g] for g in _layer_groups(tb, i))
+            t = m.NewIntVar(0, T_MAX, f"t_{phase}_{i}")
+            m.Add(t >= comp)
+            m.Add(t >= copy)
+            if 0 in y:  # no prefetch: a layer's fetches and compute do not overlap
+                m.Add(t >= comp + copy - T_MAX * (1 - y[0]))
+            ts.append(t)
+        head = tb.dec_head if phase == "decode" else sum(z[k] * tb.pre_head[k] for k in pre)
+        if "head" in rg:
+            head = head + (1 - rg["head"]) * tb.fetch_ns[phase]["head"]
+        T = m.NewIntVar(0, T_MAX, f"T_{phase}")
+        m.Add(T == sum(ts) + head)
+        phase_T[phase] = T
+    if pr.gpu_mem is not None:
+        budget = int(pr.gpu_mem * DEVICE_DERATE)
+        res = sum(rg[g] * b for g, b in tb.groups.items())
+        slots = sum(y[q] * tb.dev_p[q] for q in tb.p)
+        m.Add(res + slots + tb.dev_fixed + sum(xa[a] * tb.dev_b_a[a] for a in tb.b_a)
+              + sum(xe[e] * tb.dev_b_e[e] for e in tb.b_e) <= budget)
+        m.Add(res + slots + tb.dev_fixed + sum(z[k] * tb.dev_pre[k] for k in pre) <= budget)
+    # integer weights in proportion to the steps per request (largest 10^4: keeps CP-SAT's
+    # arithmetic far from int64 limits; relative rounding <= 1e-4)
+    scale = 1e4 / max(tb.w_dec, tb.w_pre[pre[0]])
+    m.Minimize(max(1, round(tb.w_dec * scale)) * phase_T["decode"]
+               + max(1, round(tb.w_pre[pre[0]] * scale)) * phase_T["prefill"])
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 2
+    solver.parameters.relative_gap_limit = 1e-4  # optimal to 0.01%: far below the model's own error
+    status = solver.Solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    pick = lambda d: next(k for k, v in d.items() if solver.Value(v))  # noqa: E731
+    choice = Choice(tb.B, pick(xa), pick(xe), pick(z), pick(y),
+                    frozenset(g for g, v in rg.items() if solver.Value(v)))
+    sol = _describe(pr, tb, choice)
+    sol.status = "optimal" if status == cp_model.OPTIMAL else "feasible (time limit)"
+    return sol
+
+
+def _evaluate(pr: Problem, tb: _Tables, ch: Choice) -> tuple[float, int, int, list[str]] | None:
+    """The linear model's (objective, T_decode, T_prefill, binding terms) for a choice, or
+    None when it breaks a memory budget."""
+    L = len(pr.cost.layers)
+    dev = _device_bytes(pr, tb, ch)
+    if pr.gpu_mem is not None and max(dev["decode_total"], dev["prefill_total"]) > int(pr.gpu_mem * DEVICE_DERATE):
+        return None
+    binding: list[str] = []
+    Ts = {}
+    for phase in ("decode", "prefill"):
+        total = 0
+        for i in range(L):
+            if phase == "decode":
+                comp = tb.dec_attn[ch.b_a][i] + tb.dec_ffn[ch.b_e][i]
+                copy = tb.dec_copy_fixed[i]
+            else:
+                comp = tb.pre_comp[ch.prefill][i]
+                copy = tb.pre_copy_fixed[ch.prefill][i]
+            copy += sum(tb.fetch_ns[phase][g] for g in _layer_groups(tb, i) if g not in ch.resident)
+            t = comp + copy if ch.prefetch == 0 else max(comp, copy)
+            if phase == "decode":
+                binding.append(f"L{i} decode: {'compute+copy (no prefetch)' if ch.prefetch == 0 and copy else 'copy' if copy > comp else 'compute'}")
+            total += t
+        head = tb.dec_head if phase == "decode" else tb.pre_head[ch.prefill]
+        if "head" in tb.groups and "head" not in ch.resident:
+            head += tb.fetch_ns[phase]["head"]
+        Ts[phase] = total + head
+    obj = (tb.w_dec * Ts["decode"] + tb.w_pre[ch.prefill] * Ts["prefill"]) / US
+    return obj, Ts["decode"], Ts["prefill"], binding
+
+
+def _device_bytes(pr: Problem, tb: _Tables, ch: Choice) -> dict[str, int]:
+    res = sum(b for g, b in tb.groups.items() if g in ch.resident)
+    slots = tb.dev_p[ch.prefetch]
+    common = res + slots + tb.dev_fixed
+    return {"resident_weights": res, "expert_slots": slots, "fixed": tb.dev_fixed,
+            "decode_buffers": tb.dev_b_a[ch.b_a] + tb.dev_b_e[ch.b_e], "prefill_buffers": tb.dev_pre[ch.prefill],
+            "decode_total": common + tb.dev_b_a[ch.b_a] + tb.dev_b_e[ch.b_e],
+            "prefill_total": common + tb.dev_pre[ch.prefill]}
+
+
+def _describe(pr: Problem, tb: _Tables, ch: Choice) -> Solution:
+    ev = _evaluate(pr, tb, ch)
+    assert ev is not None, "solver returned a choice the model rejects"
+    obj, td, tp, binding = ev
+    dev = _device_bytes(pr, tb, ch)
+    if pr.gpu_mem is not None:
+        budget = int(pr.gpu_mem * DEVICE_DERATE)
+        slack = budget - max(dev["decode_total"], dev["prefill_total"])
+        if slack < max(pr.cost.max_expert_bytes, 1):
+            binding.append(f"device memory (slack {slack} B)")
+    if pr.host_mem is not None:
+        slack = int(pr.host_mem * HOST_DERATE) - sum(tb.host_bytes.values())
+        binding.append(f"host memory (slack {slack} B)")
+    return Solution(ch, obj, td / US, tp / US, dev, dict(tb.host_bytes), binding, "", 0.0)
+
+
+def enumerate_best(pr: Problem, B: int) -> Solution | None:
+    """Brute force over every choice of the same model (small instances only)."""
+    tb = _tables(pr, B)
+    if pr.host_mem is not None and sum(tb.host_bytes.values()) > pr.host_mem * HOST_DERATE:
+        return None
+    return _enumerate(pr, tb)
+
+
+def _enumerate(pr: Problem, tb: _Tables) -> Solution | None:
+    B = tb.B
+    best: tuple[int, Choice] | None = None
+    gs = list(tb.groups)
+    for a, e, k, q in itertools.product(tb.b_a, tb.b_e, tb.pre, tb.p):
+        for bits in itertools.product((0, 1), repeat=len(gs)):
+            ch = Choice(B, a, e, k, q, frozenset(g for g, b in zip(gs, bits) if b))
+            ev = _evaluate(pr, tb, ch)
+            if ev is not None and (best is None or ev[0] < best[0]):
+                best = (ev[0], ch)
+    return None if best is None else _describe(pr, tb, best[1])
+
+
+def minimum_device_bytes(pr: Problem) -> int:
+    """Device bytes of the smallest choice the program can make (B = 1, nothing resident,
+    the smallest b_a, b_e, prefill step and prefetch depth): below this nothing fits."""
+    import dataclasses
+
+    tb = _tables(dataclasses.replace(pr, pareto=False, gpu_mem=pr.gpu_mem or 1), 1)
+    common = tb.dev_fixed + min(tb.dev_p.values())
+    dec = min(tb.dev_b_a.values()) + min(tb.dev_b_e.values())
+    pre = min(tb.dev_pre.values())
+    return common + max(dec, pre)
+
+
+def batch_candidates(pr: Problem) -> list[int]:
+    cands = {1 << i for i in range(0, 20) if (1 << i) <= pr.max_batch} | {pr.max_batch}
+    return sorted(cands)
+
+
+def solve(pr: Problem, time_limit_s: float = 10.0) -> Solution | None:
+    """Best over B: the candidate with the smallest time per request. Candidates are tried
+    in order of their lower bound and skipped once the bound cannot beat the best found."""
+    best: Solution | None = None
+    tried = []
+    t0 = time.perf_counter()
+    bounds = {}
+    tables = {}
+    for B in batch_candidates(pr):
+        tb = tables[B] = _tables(pr, B)
+        groups = [[k for k in tb.pre if k[0] == tps] for tps in sorted({k[0] for k in tb.pre})]
+        bounds[B] = min(_lower_bound(tb, g) for g in groups)
+    for B in sorted(bounds, key=bounds.get):
+        if best is not None and bounds[B] >= best.seconds_per_request:
+            tried.append({"B": B, "skipped": "lower bound cannot beat the best", "bound_s": bounds[B]})
+            continue
+        s = solve_for_batch(pr, B, time_limit_s, None if best is None else best.seconds_per_request, tables[B])
+        if s is None:
+            tried.append({"B": B, "feasible": False})
+            continue
+        tried.append({"B": B, "feasible": True, "seconds_per_request": s.seconds_per_request,
+                      "tokens_per_s": s.tokens_per_s(pr)})
+        if best is None or s.seconds_per_request < best.seconds_per_request:
+            best = s
+    if best is not None:
+        best.candidates = sorted(tried, key=lambda d: d["B"])
+        best.solve_s = time.perf_counter() - t0
+    return best

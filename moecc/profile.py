@@ -1,0 +1,365 @@
+"""`moecc profile`: measure the machine at hand and return a HardwareProfile.
+
+What is measured (all with torch, on the compute device unless said otherwise):
+
+- GEMM FLOP/s against token count: F.linear(x[tokens, K], W[N, K]) over a square weight,
+  cycling through enough weight copies that they do not stay in cache (so small token
+  counts see memory bandwidth, as streamed expert weights do).
+- Attention rate against KV bytes: scaled_dot_product_attention with one query token per
+  sequence over a K/V cache; rate = K+V bytes read / time. On CUDA also on the CPU.
+- Copy rate against size: pinned host -> device and device -> pinned host on CUDA; on a
+  CPU-only machine the "device" is the CPU and a copy is a plain copy between two host
+  buffers (both directions share that one curve).
+- Host memory bandwidth (a big host copy; bytes read + written per second), device memory
+  bandwidth (a big device copy on CUDA; the host figure on CPU), cores, memory size.
+
+Every timing is the median of repeated runs (each run batches enough calls to last about a
+millisecond, synchronising CUDA around it); a curve stops growing once one call takes too
+long, so slow dtypes (fp16 GEMM on most CPUs) cannot stall the run. Budget: a full run takes
+under a minute on a 2-core CPU, `quick=True` a few seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from moecc.errors import HardwareError
+from moecc.hardware import PRESETS, HardwareProfile, normalize_dtype, resolve_hardware
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """Problem sizes and time limits of one run (see _settings)."""
+
+    gemm_dim: int  # K = N of the square weight
+    gemm_tokens: tuple[int, ...]
+    weight_pool_bytes: int  # total bytes of the rotating weight copies
+    attn_batch: int  # sequences per attention call
+    attn_heads: int
+    attn_head_dim: int
+    attn_seq: tuple[int, ...]  # KV positions per sequence
+    copy_sizes: tuple[int, ...]  # bytes
+    big_copy_bytes: int  # for host/device memory bandwidth
+    min_reps: int
+    min_point_s: float  # repeat a point at least this long (and min_reps times)
+    point_budget_s: float  # stop repeating a point after this long
+    slow_call_s: float  # one call slower than this ends the curve after this point
+
+
+def _settings(device: str, quick: bool) -> _Settings:
+    cuda = device == "cuda"
+    if quick:
+        return _Settings(
+            gemm_dim=2048 if cuda else 1024, gemm_tokens=(1, 16, 256, 1024),
+            weight_pool_bytes=(256 if cuda else 64) << 20,
+            attn_batch=16 if cuda else 4, attn_heads=8, attn_head_dim=128,
+            attn_seq=(256, 4096) if cuda else (32, 256, 1024),
+            copy_sizes=(1 << 16, 1 << 20, 1 << 24, 1 << 26), big_copy_bytes=1 << 26,
+            min_reps=3, min_point_s=0.02, point_budget_s=0.15, slow_call_s=0.2,
+        )
+    return _Settings(
+        gemm_dim=4096 if cuda else 2048, gemm_tokens=(1, 4, 16, 64, 256, 1024, 4096),
+        weight_pool_bytes=(512 if cuda else 128) << 20,
+        attn_batch=16 if cuda else 4, attn_heads=8, attn_head_dim=128,
+        attn_seq=(64, 256, 1024, 4096, 16384) if cuda else (16, 64, 256, 1024, 4096),
+        copy_sizes=tuple(1 << s for s in range(16, 29, 2)), big_copy_bytes=1 << 28,
+        min_reps=5, min_point_s=0.25, point_budget_s=1.0, slow_call_s=1.0,
+    )
+
+
+class _Timer:
+    """Times a callable on one device: median seconds per call over repeated batches."""
+
+    def __init__(self, sync: Callable[[], None], settings: _Settings, batch_target_s: float = 1e-3):
+        self.sync, self.s, self.batch_target_s = sync, settings, batch_target_s
+
+    def per_call(self, fn: Callable[[], object]) -> tuple[float, float]:
+        """(median seconds per call, seconds of the first timed call). Needs fn to be
+        repeatable; runs it once untimed first (warm-up: allocator, kernel selection)."""
+        fn()
+        self.sync()
+        t = time.perf_counter()
+        fn()
+        self.sync()
+        first = time.perf_counter() - t
+        if first > self.s.slow_call_s:  # too slow to repeat; the curve ends here anyway
+            return first, first
+        calls = max(1, min(256, int(self.batch_target_s / max(first, 1e-7))))
+        samples: list[float] = []
+        start = time.perf_counter()
+        while True:
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            self.sync()
+            samples.append((time.perf_counter() - t) / calls)
+            spent = time.perf_counter() - start
+            if len(samples) >= 50 or (len(samples) >= self.s.min_reps and spent >= self.s.min_point_s) \
+                    or spent >= self.s.point_budget_s:
+                break
+        return statistics.median(samples), first
+
+
+def _curve(sizes: Sequence[float], measure_one: Callable[[float], tuple[float, float]],
+           slow_call_s: float) -> list[list[float]]:
+    """[[size, rate]] for each size in order; measure_one(size) -> (rate, first call seconds).
+    Stops after the first size whose single call took longer than slow_call_s, and before a
+    size whose call would, at the last call's time per unit size, take over 3 * slow_call_s."""
+    points: list[list[float]] = []
+    prev: tuple[float, float] | None = None  # (size, seconds of one call)
+    for size in sizes:
+        if prev is not None and prev[1] * size / prev[0] > 3 * slow_call_s:
+            break
+        rate, first = measure_one(size)
+        if rate > 0 and math.isfinite(rate):
+            points.append([float(size), float(rate)])
+        if first > slow_call_s:
+            break
+        prev = (size, first)
+    return points
+
+
+def _gemm_curve(torch, dev: str, dt, s: _Settings, timer: _Timer) -> list[list[float]]:
+    """FLOP/s of F.linear over `tokens` rows of a gemm_dim x gemm_dim weight, cycling through
+    weight copies totalling weight_pool_bytes."""
+    k = s.gemm_dim
+    w0 = torch.rand(k, k, dtype=dt, device=dev) - 0.5
+    copies = max(1, min(64, s.weight_pool_bytes // w0.nbytes))
+    weights = [w0] + [w0.clone() for _ in range(copies - 1)]
+    counter = [0]
+
+    def one(tokens: float) -> tuple[float, float]:
+        x = torch.rand(int(tokens), k, dtype=dt, device=dev) - 0.5
+
+        def call():
+            counter[0] += 1
+            return torch.nn.functional.linear(x, weights[counter[0] % copies])
+
+        sec, first = timer.per_call(call)
+        return 2.0 * tokens * k * k / sec, first
+
+    return _curve(s.gemm_tokens, one, s.slow_call_s)
+
+
+def _attention_curve(torch, dev: str, dt, s: _Settings, timer: _Timer) -> list[list[float]]:
+    """K+V bytes/s of scaled_dot_product_attention, one query token per sequence, over a
+    cache of attn_seq positions for attn_batch sequences."""
+    b, h, d = s.attn_batch, s.attn_heads, s.attn_head_dim
+    q = torch.rand(b, h, 1, d, dtype=dt, device=dev)
+    elem = torch.empty((), dtype=dt).element_size()
+
+    def one(kv_bytes: float) -> tuple[float, float]:
+        seq = int(kv_bytes) // (2 * b * h * d * elem)
+        kk = torch.rand(b, h, seq, d, dtype=dt, device=dev)
+        vv = torch.rand(b, h, seq, d, dtype=dt, device=dev)
+        sec, first = timer.per_call(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, vv))
+        return kv_bytes / sec, first
+
+    sizes = [2 * b * h * n * d * elem for n in s.attn_seq]
+    return _curve(sizes, one, s.slow_call_s)
+
+
+def _copy_curve(torch, src_dev: str, dst_dev: str, pinned: bool, s: _Settings, timer: _Timer) -> list[list[float]]:
+    """Bytes/s of dst.copy_(src) for each copy size; the host side pinned when `pinned`.
+    Successive copies read successive slices of a source pool of at least weight_pool_bytes,
+    so small copies stream from memory (as weights and KV do) instead of from cache."""
+    biggest = max(s.copy_sizes)
+
+    def buf(dev: str, nbytes: int):
+        t = torch.empty(nbytes, dtype=torch.uint8, device=dev, pin_memory=pinned and dev == "cpu")
+        t.fill_(1)
+        return t
+
+    src, dst = buf(src_dev, max(biggest, s.weight_pool_bytes)), buf(dst_dev, biggest)
+    counter = [0]
+
+    def one(nbytes: float) -> tuple[float, float]:
+        n = int(nbytes)
+        slots = src.numel() // n
+        b = dst[:n]
+
+        def call():
+            counter[0] += 1
+            i = counter[0] % slots
+            return b.copy_(src[i * n:(i + 1) * n], non_blocking=pinned)
+
+        sec, first = timer.per_call(call)
+        return nbytes / sec, first
+
+    return _curve(s.copy_sizes, one, s.slow_call_s)
+
+
+def _memory_bandwidth(torch, dev: str, nbytes: int, timer: _Timer) -> float:
+    """Bytes read + written per second by one big copy on `dev` (STREAM's copy counting)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    sec, _ = timer.per_call(lambda: dst.copy_(src))
+    return 2.0 * nbytes / sec
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return PRESETS["cpu"].device_memory_bytes
+
+
+def _scaled(base: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
+    """Per-dtype peaks: measured where measured; otherwise base scaled by measured/base
+    float32 when float32 was measured, else base."""
+    factor = measured["float32"] / base["float32"] if "float32" in measured else 1.0
+    return {dt: measured.get(dt, base[dt] * factor) for dt in base}
+
+
+def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: bool = False) -> HardwareProfile:
+    """Measure this machine; returns a profile with source "measured" and every curve
+    filled (positive, finite rates; sizes increasing).
+
+    `device`: "auto" (CUDA when visible, else CPU), "cuda" or "cpu". `dtypes`: which dtypes
+    the GEMM and attention curves are measured in (names or aliases, see normalize_dtype).
+    Peaks: device_flops[dt] is the measured GEMM curve's maximum for measured dtypes; other
+    dtypes come from the local preset (resolve_hardware(None); on CPU scaled by measured/
+    preset float32). On CPU, cpu_flops = device_flops and cpu_attention = attention; on
+    CUDA, cpu_flops comes from one CPU float32 GEMM point scaled by the preset's dtype ratios.
+    `quick`: smaller sizes and fewer points (a few seconds on 2 cores, for tests).
+    Raises HardwareError for an unknown device or dtype, or "cuda" without a CUDA device.
+    """
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise HardwareError(f"--device must be auto, cpu or cuda, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise HardwareError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    names = list(dict.fromkeys(normalize_dtype(d) for d in dtypes)) or ["float32"]
+    s = _settings(device, quick)
+    cuda = device == "cuda"
+    cs = _settings("cpu", quick)  # sizes for the CPU-side measurements
+    host_timer = _Timer(lambda: None, cs)
+    timer = _Timer(torch.cuda.synchronize, s) if cuda else host_timer
+    base = resolve_hardware(None) if cuda else copy.deepcopy(PRESETS["cpu"])
+
+    with torch.inference_mode():
+        gemm = {dt: _gemm_curve(torch, device, getattr(torch, dt), s, timer) for dt in names}
+        attention = {dt: _attention_curve(torch, device, getattr(torch, dt), s, timer) for dt in names}
+        if cuda:
+            cpu_attention = {dt: _attention_curve(torch, "cpu", getattr(torch, dt), cs, host_timer)
+                             for dt in names}
+            h2d = _copy_curve(torch, "cpu", "cuda", True, s, timer)
+            d2h = _copy_curve(torch, "cuda", "cpu", True, s, timer)
+            host_bw = _memory_bandwidth(torch, "cpu", cs.big_copy_bytes, host_timer)
+            device_bw = _memory_bandwidth(torch, "cuda", s.big_copy_bytes * 4, timer)
+            cpu_point = _gemm_curve(torch, "cpu", torch.float32, replace(cs, gemm_tokens=(256,)), host_timer)
+            cpu_fp32 = {"float32": cpu_point[-1][1]} if cpu_point else {}
+            device_name = torch.cuda.get_device_name(0)
+            memory = int(torch.cuda.get_device_properties(0).total_memory)
+        else:
+            cpu_attention = copy.deepcopy(attention)
+            h2d = _copy_curve(torch, "cpu", "cpu", False, s, timer)
+            if not h2d:
+                raise HardwareError("host copy measurement failed: no finite copy rate")
+            d2h = copy.deepcopy(h2d)
+            host_bw = 2.0 * h2d[-1][1]  # the biggest copy: bytes read + written per second
+            device_bw = host_bw
+            device_name = _cpu_name()
+            memory = _host_memory_bytes()
+
+    measured_peaks = {dt: max(r for _, r in pts) for dt, pts in gemm.items() if pts}
+    if cuda:
+        device_flops = {dt: measured_peaks.get(dt, base.device_flops[dt]) for dt in base.device_flops}
+        cpu_flops = _scaled(base.cpu_flops, cpu_fp32)
+    else:
+        device_flops = _scaled(base.device_flops, measured_peaks)
+        cpu_flops = dict(device_flops)
+    curves = {
+        "gemm": {dt: p for dt, p in gemm.items() if p},
+        "attention": {dt: p for dt, p in attention.items() if p},
+        "cpu_attention": {dt: p for dt, p in cpu_attention.items() if p},
+        "copy": {k: p for k, p in (("h2d", h2d), ("d2h", d2h)) if p},
+    }
+    return HardwareProfile(
+        name=f"measured-{device}" + ("-quick" if quick else ""), source="measured", device_kind=device,
+        device_name=device_name, device_memory_bytes=memory, device_flops=device_flops,
+        device_bandwidth=device_bw, h2d_bandwidth=h2d[-1][1] if h2d else base.h2d_bandwidth,
+        d2h_bandwidth=d2h[-1][1] if d2h else base.d2h_bandwidth, host_bandwidth=host_bw,
+        cpu_cores=os.cpu_count() or 1, cpu_flops=cpu_flops,
+        curves={k: v for k, v in curves.items() if v},
+    )
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies over all CPUs from /proc/stat."""
+    with open("/proc/stat", encoding="ascii") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def busy_warning(window_s: float = 0.25) -> str | None:
+    """A warning when other work is using the CPUs right now (over `window_s` seconds, from
+    /proc/stat): torch's multi-threaded calls then stall on descheduled threads and rates,
+    small sizes most of all, measure far too low. None on a quiet machine or off Linux."""
+    try:
+        b0, t0 = _cpu_times()
+        time.sleep(window_s)
+        b1, t1 = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = (b1 - b0) / max(1, t1 - t0)
+    if busy < 0.25:
+        return None
+    cores = os.cpu_count() or 1
+    return (f"warning: the CPUs are {busy:.0%} busy with other work ({cores} cores): rates measured now "
+            f"(small sizes most of all) will be too low; profile a quiet machine")
+
+
+# ---------------------------------------------------------------------------------- summary
+
+
+def _si(x: float, unit: str) -> str:
+    """1.5e11, 'FLOP/s' -> '150.0 GFLOP/s'."""
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f} {prefix}{unit}"
+    return f"{x:.1f} {unit}"
+
+
+def summarize(p: HardwareProfile) -> list[str]:
+    """A few human-readable lines: device, peak GEMM rate and the rate at 16 tokens per
+    dtype, attention rate at the largest measured KV size, copy and memory rates."""
+    from moecc.sizes import format_bytes
+
+    lines = [f"{p.name} ({p.source}): {p.device_kind} {p.device_name}, "
+             f"{format_bytes(p.device_memory_bytes)} memory, {p.cpu_cores} CPU cores"]
+    dts = list(p.curves.get("gemm", {})) or ["float32"]
+    for dt in dts:
+        lines.append(f"  gemm {dt}: peak {_si(p.device_flops[dt], 'FLOP/s')}, "
+                     f"16 tokens {_si(p.gemm_rate(dt, 16), 'FLOP/s')}")
+    for kind, where in (("attention", "device"), ("cpu_attention", "cpu")):
+        for dt, pts in p.curves.get(kind, {}).items():
+            lines.append(f"  attention {dt} ({where}): {_si(pts[-1][1], 'B/s')} "
+                         f"at {format_bytes(pts[-1][0])} of KV")
+    if "attention" not in p.curves:
+        lines.append(f"  attention {dts[0]}: {_si(p.attention_rate(dts[0], 1 << 26), 'B/s')} (estimate)")
+    lines.append(f"  copy h2d {_si(p.h2d_bandwidth, 'B/s')}, d2h {_si(p.d2h_bandwidth, 'B/s')}; "
+                 f"memory: device {_si(p.device_bandwidth, 'B/s')}, host {_si(p.host_bandwidth, 'B/s')}")
+    return lines

@@ -1,0 +1,56 @@
+"""The step DAG: its critical path bounds every lane, overlap (prefetch) never makes a step
+slower, resident weights are never fetched, and a CPU device has no copy lane."""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from moecc.hardware import resolve_hardware
+from moecc.planner.schedule import Knobs, StepShape, build_schedule
+
+from tests.planner.test_solve import cost
+
+SHAPE = StepShape(S=64, T=64, context=40.0, head_rows=64)
+
+
+def test_critical_path_is_a_path_and_bounds_each_lane():
+    s = build_schedule(cost(), resolve_hardware("a5000"), SHAPE, Knobs(b_a=16, b_e=64, prefetch=1))
+    assert nx.is_directed_acyclic_graph(s.dag)
+    assert all(s.dag.has_edge(a, b) for a, b in zip(s.critical_path, s.critical_path[1:]))
+    assert s.seconds >= max(s.totals.values()) - 1e-12
+    assert s.seconds <= sum(s.totals.values()) + 1e-12
+    assert abs(sum(s.jobs[j].seconds for j in s.critical_path) - s.seconds) < 1e-9  # no gaps on the path
+    for a, b in s.dag.edges:
+        assert s.jobs[b].start >= s.jobs[a].end - 1e-12
+
+
+def test_prefetch_overlaps_fetch_and_compute():
+    hw = resolve_hardware("a5000")
+    serial = build_schedule(cost(), hw, SHAPE, Knobs(16, 64, prefetch=0))
+    overlapped = build_schedule(cost(), hw, SHAPE, Knobs(16, 64, prefetch=2))
+    assert overlapped.seconds <= serial.seconds
+    assert overlapped.totals == serial.totals  # same work, better overlap
+
+
+def test_resident_weights_are_not_fetched():
+    hw = resolve_hardware("a5000")
+    s = build_schedule(cost(), hw, SHAPE, Knobs(16, 64, 1, frozenset({"all"})))
+    assert not [j for j in s.jobs.values() if j.kind == "fetch"]
+    streamed = build_schedule(cost(), hw, SHAPE, Knobs(16, 64, 1))
+    fetched = {j.name for j in streamed.jobs.values() if j.kind == "fetch"}
+    assert "L0.fetch.attn" in fetched and "head.fetch" in fetched
+    assert any(n.startswith("L0.fetch.e") for n in fetched)
+
+
+def test_cpu_device_has_no_copy_lane_and_names_its_bottleneck():
+    s = build_schedule(cost(), resolve_hardware("cpu"), SHAPE, Knobs(16, 64))
+    assert set(s.totals) == {"compute"}
+    assert s.bottleneck() in ("device compute", "attention")
+
+
+def test_bigger_micro_batches_mean_fewer_attention_jobs():
+    hw = resolve_hardware("a5000")
+    small = build_schedule(cost(), hw, SHAPE, Knobs(b_a=8, b_e=64))
+    big = build_schedule(cost(), hw, SHAPE, Knobs(b_a=64, b_e=64))
+    count = lambda s: sum(1 for j in s.jobs.values() if j.kind == "attention")  # noqa: E731
+    assert count(small) == 8 and count(big) == 1

@@ -1,0 +1,104 @@
+"""The planner's integer program: CP-SAT's optimum equals brute-force enumeration of the same
+model, pruning dominated options changes no optimum, and every solution fits its budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moecc.hardware import resolve_hardware
+from moecc.planner import solve as S
+from moecc.planner.costs import model_cost
+
+from tests.passes.util import graph_before
+
+_COST = None
+
+
+def cost():
+    global _COST
+    if _COST is None:
+        g, _ = graph_before("solve_batch_sizes")  # 1-layer tiny Mixtral, config only
+        _COST = model_cost(g)
+    return _COST
+
+
+def problem(**kw) -> S.Problem:
+    base = dict(cost=cost(), rates=resolve_hardware("a5000"), prompt_tokens=24.0, output_tokens=16.0,
+                gpu_mem=2_000_000, host_mem=None, max_batch=64, b_e_options=(8, 64, 512),
+                tps_options=(128, 1024), b_a_options_max=3)
+    base.update(kw)
+    return S.Problem(**base)
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 2e-4 * max(abs(a), abs(b))  # CP-SAT weighs steps with integer weights (1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(gpu=st.integers(150_000, 3_000_000), B=st.sampled_from([1, 4, 16, 64]),
+       prompt=st.integers(4, 64), output=st.integers(1, 64))
+def test_cp_sat_optimum_equals_enumeration(gpu, B, prompt, output):
+    pr = problem(gpu_mem=gpu, prompt_tokens=float(prompt), output_tokens=float(output))
+    got = S.solve_for_batch(pr, B)
+    want = S.enumerate_best(pr, B)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert close(got.seconds_per_request, want.seconds_per_request), (got.choice, want.choice)
+
+
+@settings(max_examples=10, deadline=None)
+@given(gpu=st.integers(200_000, 3_000_000), B=st.sampled_from([2, 16, 64]))
+def test_pruning_dominated_options_keeps_the_optimum(gpu, B):
+    pr = problem(gpu_mem=gpu)
+    a = S.enumerate_best(pr, B)
+    b = S.enumerate_best(dataclasses.replace(pr, pareto=False), B)
+    assert (a is None) == (b is None)
+    if a is not None:
+        assert a.seconds_per_request == b.seconds_per_request
+
+
+@settings(max_examples=20, deadline=None)
+@given(gpu=st.integers(150_000, 10**8), host=st.integers(10**5, 10**9), prompt=st.integers(1, 64),
+       output=st.integers(1, 64), max_batch=st.integers(1, 512))
+def test_solutions_fit_their_budgets(gpu, host, prompt, output, max_batch):
+    pr = problem(gpu_mem=gpu, host_mem=host, prompt_tokens=float(prompt), output_tokens=float(output),
+                 max_batch=max_batch)
+    sol = S.solve(pr, time_limit_s=5)
+    if sol is None:
+        return
+    dev = sol.device_bytes
+    assert max(dev["decode_total"], dev["prefill_total"]) <= gpu * S.DEVICE_DERATE
+    assert sum(sol.host_bytes.values()) <= host * S.HOST_DERATE
+    ch = sol.choice
+    assert 1 <= ch.b_a <= ch.B <= max_batch and ch.prefill[1] <= ch.B
+
+
+def test_below_the_minimum_nothing_fits_and_at_it_something_does():
+    pr = problem()
+    minimum = S.minimum_device_bytes(pr)
+    assert S.solve(dataclasses.replace(pr, gpu_mem=int(minimum / S.DEVICE_DERATE) - 1000)) is None
+    assert S.solve(dataclasses.replace(pr, gpu_mem=int(minimum / S.DEVICE_DERATE) + 10)) is not None
+
+
+def test_more_device_memory_never_predicts_slower():
+    times = [S.solve(problem(gpu_mem=g)).seconds_per_request for g in (400_000, 1_000_000, 4_000_000, 10**9)]
+    assert times == sorted(times, reverse=True)
+
+
+def test_a_roomy_budget_keeps_weights_resident_and_a_tight_one_streams_them():
+    roomy = S.solve(problem(gpu_mem=10**9))
+    assert "L0.experts" in roomy.choice.resident
+    assert all(b.endswith(": compute") for b in roomy.binding if b.startswith("L"))  # no copy binds
+    tight = S.solve(problem(gpu_mem=int(S.minimum_device_bytes(problem()) / S.DEVICE_DERATE) + 2000))
+    assert "L0.experts" not in tight.choice.resident
+    assert tight.seconds_per_request > roomy.seconds_per_request
+
+
+def test_no_device_budget_reads_weights_in_place():
+    sol = S.solve(problem(gpu_mem=None))
+    assert sol.choice.resident == frozenset() and sol.status.startswith("optimal")
+    assert sol.device_bytes["resident_weights"] == 0

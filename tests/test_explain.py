@@ -1,0 +1,63 @@
+"""`moecc explain`: the plan's predictions, bottlenecks, memory and a job's ETA, as text and
+as JSON with the documented keys."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from moecc.cli import app
+from moecc.compiler import compile_model
+from moecc_runtime.plan import save_plan
+
+KEYS = {"prefill_tokens_per_s", "decode_tokens_per_s", "bottleneck", "device_bytes", "host_bytes", "batch"}
+
+
+def _plan(checkpoints, tmp_path, **kw):
+    ckpt = checkpoints("mixtral", "per_expert")
+    plan, _ = compile_model(ckpt, prompt_tokens=16, output_tokens=16, **kw)
+    path = tmp_path / "plan.pt"
+    save_plan(plan, path)
+    return ckpt, path
+
+
+def test_explain_json_has_the_documented_keys(checkpoints, tmp_path):
+    _, path = _plan(checkpoints, tmp_path, gpu_mem=4_000_000, hardware="a5000")
+    res = CliRunner().invoke(app, ["explain", str(path), "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert KEYS <= set(rep)
+    assert rep["prefill_tokens_per_s"] > 0 and rep["decode_tokens_per_s"] > 0
+    assert set(rep["bottleneck"]) == {"prefill", "decode"}
+    assert set(rep["batch"]) == {"prefill", "decode"} and set(rep["batch"]["decode"]) == {"B", "b_a", "b_e"}
+    assert rep["device_bytes"]["budget"] == 3_600_000
+    assert max(rep["device_bytes"]["decode_total"], rep["device_bytes"]["prefill_total"]) <= 3_600_000
+    assert rep["hardware"] == "a5000"
+
+
+def test_explain_text_and_eta_for_a_prompts_file(checkpoints, tmp_path):
+    _, path = _plan(checkpoints, tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "hello there", "max_tokens": 10},
+        {"prompt": [1, 5, 9], "max_tokens": 20},
+        "not json",
+    ]) + "\n")
+    res = CliRunner().invoke(app, ["explain", str(path), "--prompts", str(prompts), "--json"])
+    assert res.exit_code == 0, res.output
+    eta = json.loads(res.output)["eta"]
+    assert eta["requests"] == 2 and eta["invalid"] == 1 and eta["max_output_tokens"] == 30
+    rep = json.loads(res.output)
+    want = eta["prompt_tokens"] / rep["prefill_tokens_per_s"] + 30 / rep["decode_tokens_per_s"]
+    assert abs(eta["seconds"] - want) < 1e-9
+    text = CliRunner().invoke(app, ["explain", str(path)])
+    assert text.exit_code == 0
+    assert "bottleneck" in text.output and "tok/s" in text.output and "decode" in text.output
+
+
+def test_explain_of_a_non_plan_fails_cleanly(tmp_path):
+    bad = tmp_path / "x.pt"
+    bad.write_bytes(b"garbage")
+    res = CliRunner().invoke(app, ["explain", str(bad)])
+    assert res.exit_code == 1 and "error:" in res.output
