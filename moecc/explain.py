@@ -29,7 +29,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
         "bottleneck": pred.get("bottleneck"),
         "device_bytes": {k: v for k, v in dev.items() if v is not None},
         "host_bytes": {k: v for k, v in host.items() if v is not None},
-        "batch": {phase: {k: batch[phase][k] for k in ("B", "b_a", "b_e") if k in batch[phase]}
+        "batch": {phase: {k: batch[phase][k] for k in ("B", "b_a", "b_e", "tokens_per_step") if k in batch[phase]}
                   for phase in ("prefill", "decode")},
         "overlap": batch.get("overlap"),
         "workload": batch.get("workload"),
@@ -73,8 +73,9 @@ def format_explain(rep: dict[str, Any]) -> str:
         rate = rep.get(f"{phase}_tokens_per_s")
         neck = (rep.get("bottleneck") or {}).get(phase, "-")
         pb = b.get(phase, {})
+        step = f" tokens/step={pb['tokens_per_step']}" if "tokens_per_step" in pb else ""
         lines.append(f"  {phase:8s} {rate:12.1f} tok/s  bottleneck: {neck:18s} B={pb.get('B')} b_a={pb.get('b_a')} "
-                     f"b_e={pb.get('b_e')}" if rate else f"  {phase:8s} (no prediction in this plan)")
+                     f"b_e={pb.get('b_e')}{step}" if rate else f"  {phase:8s} (no prediction in this plan)")
     if rep.get("job_tokens_per_s"):
         lines.append(f"  job      {rep['job_tokens_per_s']:12.1f} generated tok/s for the compiled workload "
                      f"{rep.get('workload')}")

@@ -31,6 +31,7 @@ def test_explain_json_has_the_documented_keys(checkpoints, tmp_path):
     assert rep["prefill_tokens_per_s"] > 0 and rep["decode_tokens_per_s"] > 0
     assert set(rep["bottleneck"]) == {"prefill", "decode"}
     assert set(rep["batch"]) == {"prefill", "decode"} and set(rep["batch"]["decode"]) == {"B", "b_a", "b_e"}
+    assert rep["batch"]["prefill"]["tokens_per_step"] >= 1
     assert rep["device_bytes"]["budget"] == 3_600_000
     assert max(rep["device_bytes"]["decode_total"], rep["device_bytes"]["prefill_total"]) <= 3_600_000
     assert rep["hardware"] == "a5000"
