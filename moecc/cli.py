@@ -27,6 +27,8 @@ def compile_cmd(
     host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory budget, e.g. 256GB. Unset: unbounded."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Typical prompt length, for sizing the batch."),
     output_tokens: int = typer.Option(256, "--output-tokens", help="Typical output length, for sizing the batch."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Take the workload shape (mean prompt "
+                                           "tokens, mean max_tokens) from this prompts file instead."),
     max_batch: int = typer.Option(1024, "--max-batch", help="Upper bound on sequences in flight (B)."),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="A preset (t4, l4, rtx4090, a5000, a6000, "
                                            "a100-80gb, h100-80gb, h200, cpu) or a JSON file from `moecc profile`. "
@@ -48,6 +50,14 @@ def compile_cmd(
     from moecc.compiler import compile_model
     from moecc_runtime.plan import save_plan
 
+    if prompts is not None:
+        try:
+            prompt_tokens, output_tokens = _workload_from(prompts, model_dir, output_tokens)
+        except (OSError, RuntimeError, ValueError) as e:
+            _fail(f"--prompts {prompts}: {e}")
+        typer.echo(f"workload from {prompts}: {prompt_tokens} prompt tokens, {output_tokens} output tokens "
+                   f"on average", err=True)
+
     try:
         plan, graph = compile_model(model_dir, gpu_mem=gpu, host_mem=host, prompt_tokens=prompt_tokens,
                                     output_tokens=output_tokens, max_batch=max_batch, hardware=hardware,
@@ -64,6 +74,28 @@ def compile_cmd(
                f"decode B={d['B']} b_a={d['b_a']} b_e={d['b_e']}; predicted on {pred.get('hardware')}: "
                f"prefill {pred.get('prefill_tokens_per_s', 0):.0f} tok/s, decode "
                f"{pred.get('decode_tokens_per_s', 0):.0f} tok/s (`moecc explain {output}` says why)", err=True)
+
+
+def _workload_from(prompts: Path, model_dir: Path, default_max: int) -> tuple[int, int]:
+    """Mean prompt tokens and mean max_tokens of the valid requests in a prompts file."""
+    from moecc_runtime.requests import RequestError, iter_requests
+    from moecc_runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    n = p_sum = o_sum = 0
+    for item in iter_requests(prompts):
+        if isinstance(item, RequestError):
+            continue
+        if isinstance(item.prompt, tuple):
+            ids = item.prompt
+        else:
+            ids = tok.encode_prompt(item.prompt) if item.prompt is not None else tok.encode_messages(item.messages)
+        n += 1
+        p_sum += len(ids)
+        o_sum += item.max_tokens or default_max
+    if n == 0:
+        raise ValueError("no valid request in the file")
+    return max(1, round(p_sum / n)), max(1, round(o_sum / n))
 
 
 @app.command("exec")

@@ -62,3 +62,20 @@ def test_explain_of_a_non_plan_fails_cleanly(tmp_path):
     bad.write_bytes(b"garbage")
     res = CliRunner().invoke(app, ["explain", str(bad)])
     assert res.exit_code == 1 and "error:" in res.output
+
+
+def test_compile_takes_the_workload_shape_from_a_prompts_file(checkpoints, tmp_path):
+    ckpt = checkpoints("mixtral", "per_expert")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": [1, 2, 3, 4], "max_tokens": 10},
+        {"prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 30},
+        {"prompt": ""},  # invalid: ignored
+    ]) + "\n")
+    out = tmp_path / "plan.pt"
+    res = CliRunner().invoke(app, ["compile", str(ckpt), "-o", str(out), "--prompts", str(prompts)])
+    assert res.exit_code == 0, res.output
+    from moecc_runtime.plan import load_plan
+
+    wl = load_plan(out)["batch"]["workload"]
+    assert (wl["prompt_tokens"], wl["output_tokens"]) == (6, 20)

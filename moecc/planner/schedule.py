@@ -106,6 +106,16 @@ def gemm_seconds(rates: Rates, dtype: str, flops_per_row: float, rows: float, ch
     return t
 
 
+def expert_seconds(rates: Rates, dtype: str, flops_per_row: float, n: float, chunk: int) -> float:
+    """One expert over its tokens in chunks. Routing is never exactly even: an expert's load
+    spreads about n +- sqrt(n), so the cost is averaged over n - sqrt(n) and n + sqrt(n)
+    (a chunk size just at the mean pays for a second, small chunk half the time)."""
+    spread = math.sqrt(max(n, 0.0))
+    lo, hi = max(n - spread, min(n, 1.0)), n + spread
+    return 0.5 * (gemm_seconds(rates, dtype, flops_per_row, lo, chunk) + gemm_seconds(rates, dtype, flops_per_row, hi,
+                                                                                       chunk)) * n / ((lo + hi) / 2)
+
+
 def experts_in_use(lc: LayerCost, T: float) -> float:
     """Expected experts chosen by at least one of T tokens (uniform routing)."""
     if not lc.moe or T <= 0:
@@ -135,7 +145,7 @@ def ffn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, b_e: in
     if lc.moe:
         used = experts_in_use(lc, T)
         per_expert = T * lc.top_k / max(used, 1e-9)
-        return t + used * (gemm_seconds(rates, dtype, lc.expert_flops, per_expert, b_e) + 8 * OP_OVERHEAD_S)
+        return t + used * (expert_seconds(rates, dtype, lc.expert_flops, per_expert, b_e) + 8 * OP_OVERHEAD_S)
     return t + gemm_seconds(rates, dtype, lc.dense_flops, T, b_e)
 
 
@@ -204,7 +214,7 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
                     back = e - knobs.prefetch - 1
                     fetch = add(f"L{i}.fetch.e{e}", "copy", share * copy(lc.expert_bytes), "fetch",
                                 [computes[back] if back >= 0 else prev], i)
-                t = share * gemm_seconds(rates, dt, lc.expert_flops, per_expert, knobs.b_e) + share * 8 * OP_OVERHEAD_S
+                t = share * expert_seconds(rates, dt, lc.expert_flops, per_expert, knobs.b_e) + share * 8 * OP_OVERHEAD_S
                 computes.append(add(f"L{i}.expert.{e}", "compute", t, "gemm", [prev, fetch] + deps, i))
             prev = computes[-1]
         else:

@@ -1,0 +1,182 @@
+"""How well the planner predicts this machine, and whether its choice beats hand-set ones.
+
+    python bench/predict.py                 # profile, compile, run, compare (~10 minutes)
+    python bench/predict.py --quick         # fewer prompts, for a look
+
+Steps, all in one run:
+  1. `moecc profile` measures this machine (GEMM, attention, copy rates) into WORK/hw.json;
+  2. plans are compiled for the bench model with that profile: the planner's own choice
+     under several batch bounds (--max-batch), plus hand-set configurations (the planner's
+     plan with b_a / b_e / prefill tokens per step overwritten, as a user tuning by hand
+     would);
+  3. each plan runs the same prompts with `moecc exec --stats`; from the per-step records:
+     measured decode tokens/s (steps without prefill, batch >= 90% of its peak) and prefill
+     tokens/s (prompt tokens / time of the steps that prefill), against the plan's
+     predicted figures (for hand-set plans, the planner's model re-evaluated for them);
+  4. prints a table (predicted, measured, error) and the mean absolute error, and writes JSON.
+The planner's choice should beat every hand-set configuration in measured job tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from throughput import build_model, write_prompts  # noqa: E402
+
+
+def predicted_for(plan: dict[str, Any], model: Path, hw: Path) -> dict[str, float]:
+    """The planner's model evaluated for the plan's own sizes (for hand-set plans too)."""
+    from moecc.frontend.trace import build_graph
+    from moecc.hardware import resolve_hardware
+    from moecc.pass_infra import PassContext
+    from moecc.passes import default_pipeline
+    from moecc.planner.costs import model_cost
+    from moecc.planner.schedule import Knobs, StepShape, build_schedule
+
+    g, ckpt = build_graph(model)
+    ctx = PassContext(options={"checkpoint": ckpt})
+    for p in default_pipeline():
+        if p.name == "solve_batch_sizes":
+            break
+        r = p.run(g, ctx)
+        r.graph.properties |= set(p.ensures)
+        g = r.graph
+    cost, rates = model_cost(g), resolve_hardware(str(hw))
+    b, wl = plan["batch"], plan["batch"]["workload"]
+    prompt, output = float(wl["prompt_tokens"]), float(wl["output_tokens"])
+    d, pf = b["decode"], b["prefill"]
+    all_res = frozenset({"all"})
+    dec = build_schedule(cost, rates, StepShape(d["B"], d["B"], prompt + output / 2, d["B"]),
+                         Knobs(d["b_a"], d["b_e"], 1, all_res))
+    tps = pf["tokens_per_step"]
+    seqs = max(1, int(round(tps / max(prompt, 1))))
+    pre = build_schedule(cost, rates, StepShape(seqs, tps, prompt / 2, seqs), Knobs(pf["b_a"], pf["b_e"], 1, all_res))
+    dec_tps, pre_tps = d["B"] / dec.seconds, tps / pre.seconds
+    return {"decode_tokens_per_s": dec_tps, "prefill_tokens_per_s": pre_tps,
+            "job_tokens_per_s": output / (output / dec_tps + prompt / pre_tps)}
+
+
+def run_plan(plan_path: Path, prompts: Path, work: Path, name: str) -> dict[str, Any]:
+    stats, results = work / f"stats-{name}.json", work / f"results-{name}.jsonl"
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "moecc.cli", "exec", str(plan_path), str(prompts), "-o", str(results),
+                    "--stats", str(stats), "--device", "cpu"], check=True, capture_output=True)
+    wall = time.perf_counter() - t0
+    s = json.loads(stats.read_text())
+    recs = s["engine"]["records"]
+    peak = max(r["sequences"] for r in recs)
+    dec = [r for r in recs if r["prefill_tokens"] == 0 and r["sequences"] >= 0.9 * peak]
+    pre = [r for r in recs if r["prefill_tokens"] > 0]
+    return {
+        "decode_tokens_per_s": sum(r["decode_tokens"] for r in dec) / sum(r["seconds"] for r in dec) if dec else None,
+        "prefill_tokens_per_s": sum(r["prefill_tokens"] for r in pre) / sum(r["seconds"] for r in pre),
+        "job_tokens_per_s": s["completion_tokens"] / s["seconds"],
+        "wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out")
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="128 prompts, 32 output tokens, quick profile")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.prompts, a.output_tokens = 128, 32
+    a.work.mkdir(parents=True, exist_ok=True)
+    model = a.model or build_model(a.work)
+    cfg = json.loads((model / "config.json").read_text())
+    prompts_path = a.work / "predict-prompts.jsonl"
+    reqs = write_prompts(prompts_path, a.prompts, 16, 64, a.output_tokens, a.output_tokens, cfg["vocab_size"], 1)
+    mean_prompt = round(sum(len(p) for p, _ in reqs) / len(reqs))
+
+    hw = a.work / "hw.json"
+    prof = [sys.executable, "-m", "moecc.cli", "profile", "-o", str(hw)] + (["--quick"] if a.quick else [])
+    subprocess.run(prof, check=True)
+
+    from moecc_runtime.plan import load_plan, save_plan
+
+    def compile_plan(name: str, max_batch: int) -> Path:
+        out = a.work / f"plan-{name}.pt"
+        subprocess.run([sys.executable, "-m", "moecc.cli", "compile", str(model), "-o", str(out), "--hardware",
+                        str(hw), "--prompt-tokens", str(mean_prompt), "--output-tokens", str(a.output_tokens),
+                        "--max-batch", str(max_batch)], check=True, capture_output=True)
+        return out
+
+    rows = []
+    base = None
+    for mb in sorted({a.prompts, a.prompts // 2, a.prompts // 4, 32}, reverse=True):
+        path = compile_plan(f"planner-B{mb}", mb)
+        plan = load_plan(path)
+        base = base or plan
+        rows.append({"name": f"planner, --max-batch {mb}", "kind": "planner", "path": path,
+                     "batch": plan["batch"], "predicted": {k: plan["predicted"][k] for k in
+                                                            ("decode_tokens_per_s", "prefill_tokens_per_s",
+                                                             "job_tokens_per_s")}})
+    # hand-set variants of the planner's first (largest-B) plan
+    hand = [("hand: b_a=B/8, b_e=64", {"decode": {"b_a": max(1, base["batch"]["decode"]["B"] // 8), "b_e": 64}}),
+            ("hand: b_e=4096, 8192-token prefill", {"decode": {"b_e": 4096},
+                                                    "prefill": {"tokens_per_step": 8192, "b_e": 4096}}),
+            ("hand: 1024-token prefill, b_a=16", {"prefill": {"tokens_per_step": 1024, "b_a": 16},
+                                                  "decode": {"b_a": 16}})]
+    for name, change in hand:
+        plan = load_plan(rows[0]["path"])
+        for phase, kv in change.items():
+            plan["batch"][phase].update(kv)
+        path = a.work / f"plan-{name.split(':')[0]}-{len(rows)}.pt"
+        save_plan(plan, path)
+        rows.append({"name": name, "kind": "hand", "path": path, "batch": plan["batch"],
+                     "predicted": predicted_for(plan, model, hw)})
+    for r in rows:
+        print(f"running {r['name']} ...", file=sys.stderr)
+        r["measured"] = run_plan(r["path"], prompts_path, a.work, r["path"].stem)
+        r["path"] = str(r["path"])
+    errors = []
+    print(f"\n{'plan':38s} {'B':>5s} {'b_a':>5s} {'b_e':>5s} {'tps':>5s} | {'phase':7s} {'predicted':>10s} "
+          f"{'measured':>10s} {'error':>7s}")
+    for r in rows:
+        d, p = r["batch"]["decode"], r["batch"]["prefill"]
+        for phase in ("decode", "prefill", "job"):
+            pr, me = r["predicted"][f"{phase}_tokens_per_s"], r["measured"][f"{phase}_tokens_per_s"]
+            err = (pr - me) / me if me else None
+            if err is not None and phase != "job":
+                errors.append(abs(err))
+            r.setdefault("error", {})[phase] = err
+            print(f"{r['name'] if phase == 'decode' else '':38s} {d['B'] if phase == 'decode' else '':>5} "
+                  f"{(d['b_a'] if phase == 'decode' else p['b_a']) if phase != 'job' else '':>5} "
+                  f"{(d['b_e'] if phase == 'decode' else p['b_e']) if phase != 'job' else '':>5} "
+                  f"{p['tokens_per_step'] if phase == 'prefill' else '':>5} | {phase:7s} {pr:10.1f} "
+                  f"{me if me else float('nan'):10.1f} {err if err is not None else float('nan'):+7.1%}")
+    mae = mean(errors)
+    best = max(rows, key=lambda r: r["measured"]["job_tokens_per_s"])
+    planner_best = max((r for r in rows if r["kind"] == "planner"), key=lambda r: r["measured"]["job_tokens_per_s"])
+    chosen = rows[0]
+    beats = all(chosen["measured"]["job_tokens_per_s"] >= r["measured"]["job_tokens_per_s"]
+                for r in rows if r["kind"] == "hand")
+    print(f"\nmean absolute error of predicted prefill and decode tokens/s: {mae:.1%} over {len(errors)} figures")
+    print(f"fastest measured: {best['name']}; the planner's choice ({chosen['name']}) "
+          f"{'beats' if beats else 'does NOT beat'} every hand-set configuration")
+    out = a.json or a.work / "predict.json"
+    out.write_text(json.dumps({"rows": rows, "mae": mae, "planner_beats_hand_set": beats,
+                               "best_planner": planner_best["name"], "torch": torch.__version__}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
