@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moecc.planner.costs import ModelCost
-from moecc.planner.schedule import (Knobs, Rates, StepShape, attn_layer_seconds, experts_in_use,
+from moecc.planner.schedule import (Rates, StepShape, attn_layer_seconds, experts_in_use,
                                     ffn_layer_seconds, head_seconds)
 
 DEVICE_DERATE = 0.9
@@ -400,7 +400,7 @@ def _evaluate(pr: Problem, tb: _Tables, ch: Choice) -> tuple[float, int, int, li
 
 def _device_bytes(pr: Problem, tb: _Tables, ch: Choice) -> dict[str, int]:
     res = sum(b for g, b in tb.groups.items() if g in ch.resident)
-    slots = tb.dev_p[ch.prefetch]
+    slots = tb.dev_p[ch.prefetch] if pr.copies else 0  # no budget: weights are read in place
     common = res + slots + tb.dev_fixed
     return {"resident_weights": res, "expert_slots": slots, "fixed": tb.dev_fixed,
             "decode_buffers": tb.dev_b_a[ch.b_a] + tb.dev_b_e[ch.b_e], "prefill_buffers": tb.dev_pre[ch.prefill],
