@@ -82,11 +82,11 @@ def generate(
         # 1. admit
         budget = budget_per_step - sum(min(s.pending, budget_per_step) for s in running if s.pending > 1)
         while (queue or preempted) and len(running) < limit and budget > 0:
-            seq = preempted[0] if preempted else new_sequence(queue[0])
+            tokens = len(preempted[0].tokens) if preempted else len(queue[0].prompt_ids)
             growth = len(running) // kv.block_size + 1  # blocks the running ones may take next step
-            if running and kv.blocks_for(len(seq.tokens) + 1) + growth > kv.free_blocks:
+            if running and kv.blocks_for(tokens + 1) + growth > kv.free_blocks:
                 break
-            (preempted.popleft() if preempted else queue.popleft())
+            seq = preempted.popleft() if preempted else new_sequence(queue.popleft())
             running.append(seq)
             budget -= min(seq.pending, budget)
         # 2. work: every decoding sequence, prompt chunks within the prefill budget
