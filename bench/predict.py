@@ -11,7 +11,7 @@ Steps, all in one run:
      would);
   3. each plan runs the same prompts with `moecc exec --stats`; from the per-step records:
      measured decode tokens/s (steps without prefill, batch >= 90% of its peak) and prefill
-     tokens/s (prompt tokens / time of the steps that prefill), against the plan's
+     tokens/s (prompt tokens / time of the steps that are mostly prompt tokens), against the plan's
      predicted figures (for hand-set plans, the planner's model re-evaluated for them);
   4. prints a table (predicted, measured, error) and the mean absolute error, and writes JSON.
 The planner's choice should beat every hand-set configuration in measured job tokens/s.
@@ -78,7 +78,11 @@ def run_plan(plan_path: Path, prompts: Path, work: Path, name: str) -> dict[str,
     recs = s["engine"]["records"]
     peak = max(r["sequences"] for r in recs)
     dec = [r for r in recs if r["prefill_tokens"] == 0 and r["sequences"] >= 0.9 * peak]
-    pre = [r for r in recs if r["prefill_tokens"] > 0]
+    # prefill: the steps that are mostly prompt tokens (a refill step with a prompt or two among
+    # hundreds of decoding rows is a decode step, not what the prefill prediction describes)
+    pre = [r for r in recs if r["prefill_tokens"] >= r["decode_tokens"] and r["prefill_tokens"] > 0]
+    if not pre:
+        pre = [r for r in recs if r["prefill_tokens"] > 0]
     return {
         "decode_tokens_per_s": sum(r["decode_tokens"] for r in dec) / sum(r["seconds"] for r in dec) if dec else None,
         "prefill_tokens_per_s": sum(r["prefill_tokens"] for r in pre) / sum(r["seconds"] for r in pre),

@@ -487,6 +487,43 @@ def solve(pr: Problem, time_limit_s: float = 10.0) -> Solution | None:
         if best is None or s.seconds_per_request < best.seconds_per_request:
             best = s
     if best is not None:
+        best = _widen_chunks(pr, best)
         best.candidates = sorted(tried, key=lambda d: d["B"])
         best.solve_s = time.perf_counter() - t0
     return best
+
+
+def _widen_chunks(pr: Problem, sol: Solution) -> Solution:
+    """Among expert chunks the model finds equally fast (within 0.1%), take the largest that
+    fits: real routers load experts far less evenly than the model's n +- sqrt(n), and a
+    chunk with headroom costs only memory (measured: b_e 128 -> 4096 at B=256 on this CPU,
+    15% faster decode, where the model saw no difference)."""
+    import dataclasses
+
+    ch = sol.choice
+    tb = _tables(dataclasses.replace(pr, pareto=False), ch.B)
+    base = _evaluate(pr, tb, ch)
+    if base is None:
+        return sol
+    for e in sorted(tb.b_e, reverse=True):
+        if e <= ch.b_e:
+            break
+        trial = dataclasses.replace(ch, b_e=e)
+        ev = _evaluate(pr, tb, trial)
+        if ev is not None and ev[0] <= base[0] * 1.001:
+            ch = trial
+            break
+    t, a, e0 = ch.prefill
+    for e in sorted({k[2] for k in tb.pre if k[0] == t and k[1] == a}, reverse=True):
+        if e <= e0:
+            break
+        trial = dataclasses.replace(ch, prefill=(t, a, e))
+        ev = _evaluate(pr, tb, trial)
+        if ev is not None and ev[0] <= base[0] * 1.001:
+            ch = trial
+            break
+    if ch == sol.choice:
+        return sol
+    out = _describe(pr, tb, ch)
+    out.status = sol.status + "; expert chunks widened at equal predicted time"
+    return out
