@@ -78,24 +78,13 @@ def compile_cmd(
 
 def _workload_from(prompts: Path, model_dir: Path, default_max: int) -> tuple[int, int]:
     """Mean prompt tokens and mean max_tokens of the valid requests in a prompts file."""
-    from moecc_runtime.requests import RequestError, iter_requests
-    from moecc_runtime.tokenizer import Tokenizer
+    from moecc.explain import workload_of
 
-    tok = Tokenizer(model_dir)
-    n = p_sum = o_sum = 0
-    for item in iter_requests(prompts):
-        if isinstance(item, RequestError):
-            continue
-        if isinstance(item.prompt, tuple):
-            ids = item.prompt
-        else:
-            ids = tok.encode_prompt(item.prompt) if item.prompt is not None else tok.encode_messages(item.messages)
-        n += 1
-        p_sum += len(ids)
-        o_sum += item.max_tokens or default_max
-    if n == 0:
+    w = workload_of(prompts, model_dir, default_max)
+    if w["requests"] == 0:
         raise ValueError("no valid request in the file")
-    return max(1, round(p_sum / n)), max(1, round(o_sum / n))
+    n = w["requests"]
+    return max(1, round(w["prompt_tokens"] / n)), max(1, round(w["max_output_tokens"] / n))
 
 
 @app.command("exec")

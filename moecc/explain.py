@@ -39,31 +39,31 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
     return out
 
 
-def _eta(plan: dict[str, Any], prompts: Path, model_dir: Path | None, default_max: int,
-         rep: dict[str, Any]) -> dict[str, Any]:
-    from moecc_runtime.plan import check_checkpoint
+def workload_of(prompts: Path, model_dir: Path, default_max: int) -> dict[str, int]:
+    """Valid and invalid requests of a prompts file, their prompt tokens and max_tokens."""
     from moecc_runtime.requests import RequestError, iter_requests
     from moecc_runtime.tokenizer import Tokenizer
 
-    tok = Tokenizer(check_checkpoint(plan, model_dir))
+    tok = Tokenizer(model_dir)
     n = bad = prompt_tokens = output_tokens = 0
     for item in iter_requests(prompts):
         if isinstance(item, RequestError):
             bad += 1
             continue
-        if isinstance(item.prompt, tuple):
-            ids = list(item.prompt)
-        elif item.prompt is not None:
-            ids = tok.encode_prompt(item.prompt)
-        else:
-            ids = tok.encode_messages(item.messages)
         n += 1
-        prompt_tokens += len(ids)
+        prompt_tokens += len(tok.encode_request(item))
         output_tokens += item.max_tokens or default_max
+    return {"requests": n, "invalid": bad, "prompt_tokens": prompt_tokens, "max_output_tokens": output_tokens}
+
+
+def _eta(plan: dict[str, Any], prompts: Path, model_dir: Path | None, default_max: int,
+         rep: dict[str, Any]) -> dict[str, Any]:
+    from moecc_runtime.plan import check_checkpoint
+
+    w = workload_of(prompts, check_checkpoint(plan, model_dir), default_max)
     pre, dec = rep["prefill_tokens_per_s"] or 0, rep["decode_tokens_per_s"] or 0
-    seconds = (prompt_tokens / pre if pre else 0) + (output_tokens / dec if dec else 0)
-    return {"requests": n, "invalid": bad, "prompt_tokens": prompt_tokens, "max_output_tokens": output_tokens,
-            "seconds": seconds, "note": "upper bound: requests that stop at EOS finish sooner"}
+    seconds = (w["prompt_tokens"] / pre if pre else 0) + (w["max_output_tokens"] / dec if dec else 0)
+    return {**w, "seconds": seconds, "note": "upper bound: requests that stop at EOS finish sooner"}
 
 
 def format_explain(rep: dict[str, Any]) -> str:

@@ -133,15 +133,10 @@ def run_job(
 
 
 def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab: int) -> GenRequest:
-    if isinstance(req.prompt, tuple):
-        ids = list(req.prompt)
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the model's vocabulary of {vocab}")
-    elif req.prompt is not None:
-        ids = tok.encode_prompt(req.prompt)
-    else:
-        ids = tok.encode_messages(req.messages)
+    ids = tok.encode_request(req)
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the model's vocabulary of {vocab}")
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
     if len(ids) >= context:

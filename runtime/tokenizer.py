@@ -29,5 +29,14 @@ class Tokenizer:
             out = out["input_ids"]
         return [int(t) for t in out]
 
+    def encode_request(self, req: Any) -> list[int]:
+        """A request's prompt ids: its token list as given, its text encoded, or its messages
+        through the chat template."""
+        if isinstance(req.prompt, tuple):
+            return list(req.prompt)
+        if req.prompt is not None:
+            return self.encode_prompt(req.prompt)
+        return self.encode_messages(req.messages)
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
