@@ -31,7 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from moecc_runtime import kernels
+from moecc_runtime.arena import DeviceArena, Region, align
+from moecc_runtime.copy_engine import CopyEngine
 from moecc_runtime.kv import PagedKVCache
+from moecc_runtime.streaming import InPlaceWeights, KVStaging, StreamedWeights, _Copier
 from moecc_runtime.weights import TORCH_DTYPES, WeightStore
 
 TRANSFER_OPS = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
@@ -71,6 +74,9 @@ class StepRecord:
     kv_blocks_used: int
     kv_allocated_bytes: int
     kv_live_bytes: int
+    copy_seconds: float = 0.0  # copy engine busy time during the step
+    wait_seconds: float = 0.0  # compute blocked on copies
+    copy_bytes: int = 0
 
 
 @dataclass
@@ -83,7 +89,20 @@ class EngineStats:
     seconds: float = 0.0
     peak_kv_allocated_bytes: int = 0
     peak_kv_live_bytes: int = 0
+    copy_seconds: float = 0.0  # copy engine busy time (weights and KV into the arena)
+    wait_seconds: float = 0.0  # compute blocked waiting for copies
+    copy_bytes: int = 0
+    arena_bytes: int = 0  # the device arena's size (0: no arena, weights read in place)
+    peak_device_bytes: int = 0  # arena bytes used at the peak (+ CUDA temporaries on CUDA)
+    arena_usage: dict[str, int] = field(default_factory=dict)  # region -> highest byte used
     records: list[StepRecord] | None = None  # per step, when the engine was asked to keep them
+
+    @property
+    def overlap_efficiency(self) -> float | None:
+        """Share of copy time hidden behind compute (None when nothing was copied)."""
+        if self.copy_seconds <= 0:
+            return None
+        return max(0.0, 1.0 - self.wait_seconds / self.copy_seconds)
 
 
 class Engine:
@@ -98,7 +117,7 @@ class Engine:
         batch = plan["batch"]["decode"]
         self.b_e = int(expert_chunk or batch["b_e"])
         self.b_a = int(attn_micro_batch or batch["b_a"])
-        self.inv_freq = plan["rope"]["inv_freq"].to(self.device)
+        self.inv_freq_host = plan["rope"]["inv_freq"].float()
         self.rope_scaling = float(plan["rope"]["attention_scaling"])
         self.schedule = plan["schedule"]
         self._producer = {op["name"]: op["op"] for m in self.schedule for op in m["ops"]}
@@ -109,9 +128,39 @@ class Engine:
         i = self.info
         self.kv = PagedKVCache(i["num_layers"], i["num_kv_heads"], i["head_dim"], block_size=bs,
                                num_blocks=nb, dtype=self.dtype, device="cpu")
-        self._kv_buf: tuple[torch.Tensor, torch.Tensor] | None = None  # gathered KV, reused
         self._host_bufs: dict[str, torch.Tensor] = {}  # host buffer storage by value name, reused
         self.stats = EngineStats(records=[] if record_steps else None)
+        self._step_no = 0
+        self.arena: DeviceArena | None = None
+        self.copy: CopyEngine | None = None
+        self.stage: Region | None = None
+        lay = plan.get("arena")
+        if lay:
+            self._init_arena(lay)
+        else:
+            self.weights: InPlaceWeights | StreamedWeights = InPlaceWeights(self.store)
+            self.kv_staging = KVStaging(self.kv, self.device)
+
+    def _init_arena(self, lay: dict[str, Any]) -> None:
+        """Carve the plan's arena: resident weights, dense and expert slots, two KV buffers,
+        the staging area for hidden states; start the copy engine."""
+        bs = self.kv.block_size
+        cap_blocks = max(1, int(lay["kv_buffer_tokens"]) // bs)
+        kv_bytes = KVStaging.region_bytes(self.kv, cap_blocks)
+        self.arena = DeviceArena(int(lay["bytes"]), self.device)
+        self.copy = CopyEngine(self.device)
+        copier = _Copier(self.device, max(int(lay["dense_slot_bytes"]), int(lay["expert_slot_bytes"]), kv_bytes // 2))
+        self.weights = StreamedWeights(self.plan, self.store, self.arena, self.copy, copier)
+        self.kv_staging = KVStaging(self.kv, self.device, self.copy, self.arena.region("kv_buffers", kv_bytes),
+                                    cap_blocks, copier.staging)
+        self.stage = self.arena.region("stage", int(lay["stage_bytes"]))
+        self.stats.arena_bytes = self.arena.nbytes
+
+    @property
+    def max_sequence_tokens(self) -> int | None:
+        """The longest sequence (prompt + output) one KV buffer of the arena holds."""
+        cap = self.kv_staging.cap_blocks
+        return None if cap is None else cap * self.kv.block_size
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -124,15 +173,18 @@ class Engine:
             if not 0 < n <= s.pending:
                 raise ValueError(f"sequence {s.sid}: asked to run {n} of {s.pending} pending tokens")
             self.kv.reserve(s.sid, s.cached + n)
-        b = _StepBatch.build(work, self.kv, self.device)
+        b = _StepBatch.build(work, self.kv)
         env: dict[str, torch.Tensor] = {"input_ids": b.input_ids, "positions": b.positions}
         logits = None
         experts_before = self.stats.experts_run
-        for module in self.schedule:
+        copy0 = (self.copy.copy_s, self.copy.wait_s, self.copy.bytes) if self.copy else (0.0, 0.0, 0)
+        self._step_no += 1
+        mbs = b.micro_batches(self.b_a, self.kv_staging.cap_blocks)
+        for index, module in enumerate(self.schedule):
             kind = module["kind"]
+            self.weights.enter(index)
             if kind == "attn":
-                for mb in b.micro_batches(self.b_a, self.kv):
-                    self._run_module(module, env, b, mb)
+                self._run_attention_module(index, module, env, b, mbs)
             else:
                 out = self._run_module(module, env, b, None)
                 if kind == "head":
@@ -140,13 +192,53 @@ class Engine:
         for s, n in work:
             s.cached += n
         assert logits is not None, "plan has no head module"
-        self._account(b, time.perf_counter() - t0, self.stats.experts_run - experts_before)
+        self._account(b, time.perf_counter() - t0, self.stats.experts_run - experts_before, copy0)
         return b.finishing, logits.float()
 
-    def _account(self, b: "_StepBatch", seconds: float, experts: int) -> None:
+    def _run_attention_module(self, index: int, module: dict, env: dict[str, torch.Tensor], b: "_StepBatch",
+                              mbs: list["_MicroBatch"]) -> None:
+        """Micro-batch by micro-batch; the next micro-batch's KV (after the last one: the next
+        attention layer's first) is gathered while this one computes."""
+        attn = next(op for op in module["ops"] if op["op"] == "attention")["attrs"]
+        layer, window, bs = attn["layer_index"], attn.get("sliding_window"), self.kv.block_size
+        nxt = self._next_attention(index)
+        for j, mb in enumerate(mbs):
+            view = mb.view(window, bs)
+            key = (self._step_no, layer, j)
+            kv = self.kv_staging.acquire(key, layer, view.blocks)
+            if j + 1 < len(mbs):
+                self.kv_staging.submit((self._step_no, layer, j + 1), layer, mbs[j + 1].view(window, bs).blocks)
+            self._run_module(module, env, b, mb, kv)
+            self.kv_staging.release(key)
+        if nxt is not None and mbs:
+            nlayer, nwindow = nxt
+            self.kv_staging.submit((self._step_no, nlayer, 0), nlayer, mbs[0].view(nwindow, bs).blocks)
+
+    def _next_attention(self, index: int) -> tuple[int, int | None] | None:
+        """(layer, sliding window) of the next attention module in this step's schedule."""
+        for m in self.schedule[index + 1:]:
+            for op in m["ops"]:
+                if op["op"] == "attention":
+                    return op["attrs"]["layer_index"], op["attrs"].get("sliding_window")
+        return None
+
+    def _account(self, b: "_StepBatch", seconds: float, experts: int, copy0: tuple[float, float, int]) -> None:
         st, use = self.stats, self.kv.usage()
         st.steps += 1
         st.seconds += seconds
+        copy_s = wait_s = 0.0
+        copy_b = 0
+        if self.copy is not None:
+            copy_s, wait_s, copy_b = (self.copy.copy_s - copy0[0], self.copy.wait_s - copy0[1],
+                                      self.copy.bytes - copy0[2])
+            st.copy_seconds += copy_s
+            st.wait_seconds += wait_s
+            st.copy_bytes += copy_b
+        if self.arena is not None:
+            st.arena_usage = self.arena.usage()
+            st.peak_device_bytes = self.arena.peak_bytes
+        if self.device.type == "cuda":
+            st.peak_device_bytes = max(st.peak_device_bytes, torch.cuda.max_memory_allocated(self.device))
         st.tokens += b.T
         st.prefill_tokens += b.prefill_tokens
         st.decode_tokens += b.T - b.prefill_tokens
@@ -154,34 +246,50 @@ class Engine:
         st.peak_kv_live_bytes = max(st.peak_kv_live_bytes, use.live_bytes)
         if st.records is not None:
             st.records.append(StepRecord(seconds, len(b.work), b.prefill_tokens, b.T - b.prefill_tokens,
-                                         experts, use.blocks_used, use.allocated_bytes, use.live_bytes))
+                                         experts, use.blocks_used, use.allocated_bytes, use.live_bytes,
+                                         copy_s, wait_s, copy_b))
 
     def release(self, seq: Sequence) -> None:
         """Free a finished (or preempted) sequence's KV blocks."""
         self.kv.release(seq.sid)
 
     def _run_module(self, module: dict, env: dict[str, torch.Tensor], b: "_StepBatch",
-                    mb: "_MicroBatch | None") -> torch.Tensor | None:
-        """Run one module's ops over the attention micro-batch `mb`, or over all rows (the
-        head module reads only the finishing sequences' last rows)."""
+                    mb: "_MicroBatch | None", kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor | None:
+        """Run one module's ops over the attention micro-batch `mb` (whose gathered KV is
+        `kv`), or over all rows (the head module reads only the finishing sequences' last
+        rows). The stem (embedding, rope table) runs on the host; other modules' inputs
+        are brought from host buffers to the device (into the arena's staging area)."""
         if mb is not None:
             rows: slice | torch.Tensor = slice(mb.r0, mb.r1)
         elif module["kind"] == "head":
             rows = b.last_rows
         else:
             rows = slice(None)
+        host = module["kind"] == "stem"
         local: dict[str, Any] = {}
+        staged = 0  # bytes of the staging area used by this module's inputs
         last = None
 
         def arg(name: str) -> Any:
+            nonlocal staged
             if name in local:
                 return local[name]
-            return env[name][rows].to(self.device)
+            x = env[name][rows]
+            if host:
+                return x
+            if self.stage is None:
+                return x.to(self.device)
+            dst = self.stage.view(staged, x.shape, x.dtype, what=f"staged input {name} of {module['module']}")
+            staged += align(x.numel() * x.element_size())
+            dst.copy_(x)
+            local[name] = dst  # staged once per module run, however many ops read it
+            return dst
 
         for op in module["ops"]:
             kind = op["op"]
             if kind in TRANSFER_OPS:
-                continue  # CPU: weights are read in place; CUDA: fetched on first use (kept)
+                continue  # the weights policy and the KV staging did these (see streaming.py)
             inputs = [arg(i) for i in op["inputs"] if self._producer.get(i) not in TRANSFER_OPS]
             if kind == "host_buffer":
                 full = env.get(op["name"])
@@ -190,7 +298,7 @@ class Engine:
                     full = env[op["name"]] = self._host_buffer(op["name"], (b.T, *x.shape[1:]), x.dtype)
                 full[rows] = x.to("cpu")
                 continue
-            last = local[op["name"]] = self._compute(op, inputs, mb)
+            last = local[op["name"]] = self._compute(op, inputs, mb, kv)
         return last
 
     def _host_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -205,28 +313,26 @@ class Engine:
         return buf[:need].view(shape)
 
     def _w(self, op: dict, local: str) -> torch.Tensor:
-        return self.store.get(op["weights"][local])
+        return self.weights.get(op["weights"][local])
 
-    def _compute(self, op: dict, x: list[Any], mb: "_MicroBatch | None") -> Any:
+    def _compute(self, op: dict, x: list[Any], mb: "_MicroBatch | None",
+                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
         kind, a = op["op"], op["attrs"]
-        if kind == "embed":
-            return F.embedding(x[0], self._w(op, "weight"))
+        if kind == "embed":  # on the host: only the rows used travel
+            return F.embedding(x[0], self.store.host(op["weights"]["weight"]))
         if kind == "rope":
-            return kernels.rope_table(x[0], self.inv_freq, self.rope_scaling, self.dtype)
+            return kernels.rope_table(x[0], self.inv_freq_host, self.rope_scaling, self.dtype)
         if kind == "rmsnorm":
             return kernels.rmsnorm(x[0], self._w(op, "weight"), a["eps"])
         if kind == "attention":
-            assert mb is not None, f"attention node {op['name']} outside an attention module"
-            return self._attention(op, x[0], x[1], mb)
+            assert mb is not None and kv is not None, f"attention node {op['name']} outside an attention module"
+            return self._attention(op, x[0], x[1], mb, kv)
         if kind == "router":
             return kernels.route(x[0], self._w(op, "weight"), a)
         if kind == "experts":
             top_w, top_i = x[1]
-
-            def weights(e: int):
-                return self._w(op, f"e{e}.gate"), self._w(op, f"e{e}.up"), self._w(op, f"e{e}.down")
-
-            out, used = kernels.experts(x[0], top_w, top_i, weights, a["num_experts"], a["act"], self.b_e)
+            out, used = kernels.experts(x[0], top_w, top_i, lambda es: self.weights.experts(op, es),
+                                        a["num_experts"], a["act"], self.b_e)
             self.stats.experts_run += used
             return out
         if kind == "mlp":
@@ -250,14 +356,20 @@ class Engine:
                            f"the plan is newer than the runtime")
 
     # -- attention over one micro-batch ------------------------------------------------------
-    def _attention(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: "_MicroBatch") -> torch.Tensor:
+    def _attention(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: "_MicroBatch",
+                   kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """kv: this layer's gathered blocks for the micro-batch, [Hkv, nb, bs, D] each, gathered
+        before this micro-batch ran: its new K/V go to the host pool and into the buffer."""
         a = op["attrs"]
         w = {k: self._w(op, k) for k in op["weights"]}
         q, k, v = kernels.attention_qkv(x, w, a, rope)  # [t, Hq, D], [t, Hkv, D] x2
         layer = a["layer_index"]
-        self.kv.write(layer, mb.write_blocks, mb.write_offsets, k.to("cpu"), v.to("cpu"))  # new K/V to host
+        self.kv.write(layer, mb.write_blocks, mb.write_offsets, k.to("cpu"), v.to("cpu"))  # kv_store: to host
         view = mb.view(a.get("sliding_window"), self.kv.block_size)
-        kbuf, vbuf = self._gather(layer, view.blocks)  # [Hkv, nb, bs, D] on the compute device
+        kbuf, vbuf = kv
+        nb_idx, off = view.new_blocks.to(kbuf.device), view.new_offsets.to(kbuf.device)
+        kbuf[:, nb_idx, off] = k.transpose(0, 1).to(kbuf.dtype)  # [Hkv, t, D]
+        vbuf[:, nb_idx, off] = v.transpose(0, 1).to(vbuf.dtype)
         Hkv, D = a["num_kv_heads"], a["head_dim"]
         G = a["num_heads"] // Hkv
         out = torch.empty((x.shape[0], a["num_heads"] * D), dtype=q.dtype, device=q.device)  # [t, Hq*D]
@@ -265,9 +377,9 @@ class Engine:
             kg = kbuf[:, g.first:g.first + g.S * g.n].reshape(Hkv, g.S, g.n * kbuf.shape[2], D)  # [Hkv, S, c, D]
             vg = vbuf[:, g.first:g.first + g.S * g.n].reshape(Hkv, g.S, g.n * kbuf.shape[2], D)
             qg = q[g.rows].view(g.S, Hkv, G, D).transpose(0, 1)  # [Hkv, S, G, D]
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask[None, :, None, :],
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask.to(q.device)[None, :, None, :],
                                                scale=a["scaling"])  # [Hkv, S, G, D]
-            out[g.rows] = o.transpose(0, 1).reshape(g.S, -1)
+            out[g.rows.to(q.device)] = o.transpose(0, 1).reshape(g.S, -1)
         for p in view.prefill:
             c = p.start + (p.hi - p.lo)  # context after this chunk
             ks = kbuf[:, p.first:p.first + p.nblocks].reshape(Hkv, -1, D)[:, :c]  # [Hkv, c, D]
@@ -275,22 +387,13 @@ class Engine:
             out[p.lo:p.hi] = kernels.attend(q[p.lo:p.hi], ks, vs, p.start, a)
         return kernels.linear(out, w["o"], w.get("o_bias"))
 
-    def _gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bring one layer's KV blocks for a micro-batch to the compute device, into a buffer
-        reused across layers and steps (grown when a micro-batch needs more)."""
-        kv = self.kv
-        shape = (kv.k.shape[1], blocks.numel(), kv.block_size, kv.k.shape[4])  # [Hkv, nb, bs, D]
-        need = shape[0] * shape[1] * shape[2] * shape[3]
-        if self._kv_buf is None or self._kv_buf[0].numel() < need:
-            size = max(need, int(need * 1.25))
-            self._kv_buf = (torch.empty(size, dtype=kv.k.dtype, device="cpu"),
-                            torch.empty(size, dtype=kv.k.dtype, device="cpu"))
-        hk, hv = self._kv_buf[0][:need].view(shape), self._kv_buf[1][:need].view(shape)
-        kv.gather(layer, blocks, hk, hv)
-        return hk.to(self.device), hv.to(self.device)
-
     def close(self) -> None:
-        self.store.close()
+        try:
+            self.weights.close()
+        finally:
+            if self.copy is not None:
+                self.copy.close()
+            self.store.close()
 
 
 # -- the per-step bookkeeping, computed once and shared by every layer ---------------------
@@ -320,6 +423,8 @@ class _KVView:
     blocks: torch.Tensor  # [nb] physical blocks to gather, in buffer order
     decode_groups: list[_DecodeGroup]
     prefill: list[_PrefillChunk]
+    new_blocks: torch.Tensor  # [t] where each row's new K/V lies in the gathered buffer: block
+    new_offsets: torch.Tensor  # [t] and offset in it
 
 
 @dataclass
@@ -342,6 +447,8 @@ class _MicroBatch:
         blocks: list[int] = []
         by_n: dict[int, list[tuple[int, int, int]]] = {}  # n blocks -> (item index, first block, ctx)
         prefill: list[_PrefillChunk] = []
+        t = self.r1 - self.r0
+        new_b, new_o = [0] * t, [0] * t
         for idx, (_, row, start, n) in enumerate(self.items):
             ctx = start + n
             table = self.tables[idx]
@@ -351,12 +458,16 @@ class _MicroBatch:
             else:
                 nb = self.blocks_needed(ctx, bs)
                 prefill.append(_PrefillChunk(row, row + n, start, len(blocks), nb))
+                for i in range(n):
+                    new_b[row + i], new_o[row + i] = len(blocks) + (start + i) // bs, (start + i) % bs
                 blocks.extend(table[:nb])
         groups = []
         for nblk, members in sorted(by_n.items()):
             first = len(blocks)
             kpos = []
             for idx, lo, ctx in members:
+                row = self.items[idx][1]
+                new_b[row], new_o[row] = len(blocks) + (ctx - 1) // bs - lo, (ctx - 1) % bs
                 blocks.extend(self.tables[idx][lo:lo + nblk])
                 kpos.append((lo * bs, ctx))
             base = torch.tensor([p for p, _ in kpos])[:, None]  # [S, 1]
@@ -367,7 +478,8 @@ class _MicroBatch:
                 mask &= pos > ctxs - 1 - window
             rows = torch.tensor([self.items[idx][1] for idx, _, _ in members])
             groups.append(_DecodeGroup(rows, first, len(members), nblk, mask))
-        return _KVView(torch.tensor(blocks, dtype=torch.long), groups, prefill)
+        return _KVView(torch.tensor(blocks, dtype=torch.long), groups, prefill,
+                       torch.tensor(new_b, dtype=torch.long), torch.tensor(new_o, dtype=torch.long))
 
     @staticmethod
     def blocks_needed(ctx: int, bs: int) -> int:
@@ -387,10 +499,10 @@ class _StepBatch:
     last_rows: torch.Tensor  # [S'] their last rows (indexes host buffers)
     prefill_tokens: int
     tables: list[list[int]]
-    _mbs: list[_MicroBatch] | None = None
+    block_size: int
 
     @classmethod
-    def build(cls, work: list[tuple[Sequence, int]], kv: PagedKVCache, device: torch.device) -> "_StepBatch":
+    def build(cls, work: list[tuple[Sequence, int]], kv: PagedKVCache) -> "_StepBatch":
         ids: list[int] = []
         pos: list[int] = []
         blk: list[int] = []
@@ -411,20 +523,33 @@ class _StepBatch:
             if s.cached + n == len(s.tokens):
                 finishing.append(s)
                 last.append(len(ids) - 1)
-        return cls(work, len(ids), torch.tensor(ids, dtype=torch.long, device=device),
-                   torch.tensor(pos, dtype=torch.long, device=device), spans,
+        return cls(work, len(ids), torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), spans,
                    torch.tensor(blk, dtype=torch.long), torch.tensor(off, dtype=torch.long), finishing,
-                   torch.tensor(last, dtype=torch.long), prefill, [kv.tables[s.sid] for s, _ in work])
+                   torch.tensor(last, dtype=torch.long), prefill, [kv.tables[s.sid] for s, _ in work],
+                   kv.block_size)
 
-    def micro_batches(self, b_a: int, kv: PagedKVCache) -> list[_MicroBatch]:
-        """Consecutive groups of at most b_a sequences (cached on first use in a step)."""
-        if self._mbs is None:
-            mbs = []
-            for a in range(0, len(self.work), b_a):
-                z = min(len(self.work), a + b_a)
-                r0, r1 = self.spans[a][0], self.spans[z - 1][1]
-                items = [(s.sid, self.spans[i][0] - r0, s.cached, n)
-                         for i, (s, n) in enumerate(self.work[a:z], start=a)]
-                mbs.append(_MicroBatch(r0, r1, items, self.tables[a:z], self.blocks[r0:r1], self.offsets[r0:r1]))
-            self._mbs = mbs
-        return self._mbs
+    def micro_batches(self, b_a: int, cap_blocks: int | None = None) -> list[_MicroBatch]:
+        """Consecutive groups of at most b_a sequences whose KV (full context) fits one KV
+        buffer of `cap_blocks` blocks (None: no limit)."""
+        bs = self.block_size
+        cuts, a = [], 0
+        while a < len(self.work):
+            z, used = a, 0
+            while z < len(self.work) and z - a < b_a:
+                s, n = self.work[z]
+                need = -(-(s.cached + n) // bs)
+                if cap_blocks is not None and used + need > cap_blocks:
+                    if z == a:
+                        raise ValueError(f"sequence {s.sid} needs {need} KV blocks but one device KV buffer "
+                                         f"holds {cap_blocks}; the plan's arena is too small for it")
+                    break
+                used += need
+                z += 1
+            cuts.append((a, z))
+            a = z
+        mbs = []
+        for a, z in cuts:
+            r0, r1 = self.spans[a][0], self.spans[z - 1][1]
+            items = [(s.sid, self.spans[i][0] - r0, s.cached, n) for i, (s, n) in enumerate(self.work[a:z], start=a)]
+            mbs.append(_MicroBatch(r0, r1, items, self.tables[a:z], self.blocks[r0:r1], self.offsets[r0:r1]))
+        return mbs

@@ -8,7 +8,7 @@ Numerics follow transformers' eager modules (norms in fp32, routing softmax in f
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -113,33 +113,40 @@ def experts(
     x: torch.Tensor,
     top_w: torch.Tensor,
     top_i: torch.Tensor,
-    expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    fetch: Callable[[list[int]], Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
     num_experts: int,
     act: str,
     chunk: int,
 ) -> tuple[torch.Tensor, int]:
     """Run every expert over all tokens routed to it, in chunks of at most `chunk` tokens,
     one expert after another; experts no token chose are skipped (never fetched).
-    x: [T, H]  top_w/top_i: [T, k] -> ([T, H], number of experts run)."""
+    `fetch(used)` yields (gate, up, down) for each used expert in order (it may prefetch
+    ahead: it learns the whole list first). x: [T, H]  top_w/top_i: [T, k] -> ([T, H], experts run)."""
     T, k = top_i.shape
     out = torch.zeros_like(x)  # [T, H]
     flat = top_i.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k] slots grouped by expert
     counts = torch.bincount(flat, minlength=num_experts).tolist()  # [E]
     flat_w = top_w.reshape(-1)
-    start = 0
-    used = 0
+    starts = [0] * num_experts
+    acc = 0
     for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        used += 1
-        gate, up, down = expert_weights(e)
-        slots = order[start:start + count]  # [c]
-        start += count
-        for s in range(0, count, chunk):
-            sl = slots[s:s + chunk]
-            tok = sl // k  # [c] token of each slot
-            y = gated_mlp(x[tok], gate, up, down, act)  # [c, H]
-            y.mul_(flat_w[sl, None])
-            out.index_add_(0, tok, y.to(out.dtype))
-    return out, used
+        starts[e] = acc
+        acc += count
+    used = [e for e, count in enumerate(counts) if count]
+    weights = iter(fetch(used))
+    try:
+        for (gate, up, down), e in zip(weights, used):  # the fetcher first: it sees its own end
+            count = counts[e]
+            slots = order[starts[e]:starts[e] + count]  # [c]
+            for s in range(0, count, chunk):
+                sl = slots[s:s + chunk]
+                tok = sl // k  # [c] token of each slot
+                y = gated_mlp(x[tok], gate, up, down, act)  # [c, H]
+                y.mul_(flat_w[sl, None])
+                out.index_add_(0, tok, y.to(out.dtype))
+    finally:
+        close = getattr(weights, "close", None)
+        if close is not None:
+            close()  # a fetcher that prefetches ahead releases what it still holds
+    return out, len(used)

@@ -1,11 +1,14 @@
 """The plan: a versioned, plain-data artifact (dicts, lists, strings, numbers, tensors)
 written by `moecc compile` and read here with `torch.load(weights_only=True)`.
 
-Top-level keys (schema version 1):
+Top-level keys (schema version 2; 2 added `arena`):
   schema, version      "moecc.plan", 1
   model                {dir, architecture, model_type, fingerprint{config_sha256, weight_files}, info{...}}
   batch                {prefill{B,b_a,b_e}, decode{B,b_a,b_e}, workload{...}}
   memory               {device{...}, host{...}}
+  arena                None (no device budget: weights read in place) or the device arena the
+                       runtime carves: {bytes, resident[groups], dense_slot_bytes, expert_slots,
+                       expert_slot_bytes, kv_buffer_tokens, stage_bytes}
   weights              {key: {tensor, file, offset, nbytes, dtype, shape}}   (file None: absent)
   rope                 {inv_freq: tensor [hd/2], attention_scaling: float}
   schedule             [{module, kind, layer, ops: [{op, name, inputs, weights{local: key}, attrs}]}]
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 
 SCHEMA = "moecc.plan"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 REQUIRED_KEYS = ("schema", "version", "model", "batch", "weights", "rope", "schedule")
 
 

@@ -47,14 +47,17 @@ def reference(x, top_w, top_i, bank, act="silu") -> torch.Tensor:
 
 
 class Fetches:
-    """An expert_weights callback that records which experts were asked for."""
+    """A fetch callback that records which experts were asked for (the list it is given
+    up front, and the ones actually consumed)."""
 
     def __init__(self, bank):
-        self.bank, self.calls = bank, []
+        self.bank, self.calls, self.asked = bank, [], []
 
-    def __call__(self, e: int):
-        self.calls.append(e)
-        return self.bank[e]
+    def __call__(self, used: list[int]):
+        self.asked.append(list(used))
+        for e in used:
+            self.calls.append(e)
+            yield self.bank[e]
 
 
 CASES = [  # (T, seed, experts the tokens pick from)
@@ -78,6 +81,7 @@ def test_experts_match_naive_loop(T, seed, allowed, chunk, act):
     torch.testing.assert_close(out, reference(x, top_w, top_i, bank, act), atol=1e-5, rtol=1e-5)
     chosen = sorted(set(top_i.flatten().tolist()))
     assert sorted(fetch.calls) == chosen, "each chosen expert fetched exactly once, no other"
+    assert fetch.asked in ([chosen], []) and fetch.calls == chosen, "told the whole list first, in order"
     assert len(fetch.calls) == len(set(fetch.calls))
     assert used == len(chosen)
     if allowed != list(range(E)):

@@ -74,6 +74,7 @@ class EmitPlan(Pass):
             },
             "batch": g.attrs["batch"],
             "memory": g.attrs.get("memory", {}),
+            "arena": g.attrs.get("arena"),
             "weights": manifest,
             "rope": {"inv_freq": torch.tensor(rope.attrs["inv_freq"], dtype=torch.float32),
                      "attention_scaling": float(rope.attrs["attention_scaling"])},

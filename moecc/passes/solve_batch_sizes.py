@@ -67,6 +67,17 @@ class SolveBatchSizes(Pass):
             "workload": {"prompt_tokens": prompt, "output_tokens": output, "seq_len": pr.seq_len},
             "rule": "solve_batch_sizes (CP-SAT, see moecc/planner/solve.py)",
         }
+        # the device arena the runtime carves (runtime/arena.py, runtime/streaming.py); none
+        # without a device budget (weights are then read where they are)
+        g.attrs["arena"] = None if not pr.copies else {
+            "bytes": sol.device_bytes["arena"],
+            "resident": sorted(ch.resident),
+            "dense_slot_bytes": cost.max_dense_module_bytes + S.DENSE_SLOT_PAD,
+            "expert_slots": ch.prefetch + 1,
+            "expert_slot_bytes": cost.max_expert_bytes + S.EXPERT_SLOT_PAD,
+            "kv_buffer_tokens": pr.kv_buffer_tokens(max(ch.b_a, pa)),
+            "stage_bytes": sol.device_bytes["staging"],
+        }
         g.attrs["memory"] = {
             "device": {"budget": None if gpu_mem is None else int(gpu_mem * S.DEVICE_DERATE), **sol.device_bytes},
             "host": {"budget": None if host_mem is None else int(host_mem * S.HOST_DERATE), **sol.host_bytes},

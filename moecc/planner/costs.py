@@ -46,6 +46,8 @@ class ModelCost:
     act_bytes_per_token: int  # largest activation row an expert chunk holds at once
     buffer_bytes_per_token: int  # host buffers alive in one step, per row
     weight_bytes: int
+    head_dim: int = 0
+    max_context: int = 0  # the model's context (a device KV buffer holds one such sequence)
     extra: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -108,5 +110,5 @@ def model_cost(graph: Graph) -> ModelCost:
         dtype=info.dtype, itemsize=DTYPE_BYTES[info.dtype], hidden=H, layers=[layers[i] for i in sorted(layers)],
         stem_bytes=stem, head_bytes=head, head_flops=head_flops, kv_bytes_per_token=info.kv_bytes_per_token,
         act_bytes_per_token=(2 * H + 3 * inter) * 4, buffer_bytes_per_token=buffers,
-        weight_bytes=graph.weight_bytes,
+        weight_bytes=graph.weight_bytes, head_dim=info.head_dim, max_context=info.max_position_embeddings,
     )

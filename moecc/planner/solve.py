@@ -14,9 +14,12 @@ Formulation (all times in µs, memory in bytes; `x_*` one-hot choices, `r_g` res
     t_fl >= comp_fl,  t_fl >= copy_fl,  t_fl >= comp_fl + copy_fl - BIG . (1 - y[0])
     T_f = sum_l t_fl + head_f (+ its fetch)
   device memory (each phase, when --gpu-mem is set), at a 0.9 derate:
-    sum_g r_g . bytes_g + (p + 1) . largest expert + 2 . largest dense module
-    + 2 . b_a . max context . one layer's KV per position + b_e . expert activation row
-    + rows . hidden . 6 . itemsize (micro-batch temporaries)  <= budget
+    arena = sum_g r_g . bytes_g + (p + 1) . expert slot + 2 . dense slot
+            + kv (two KV buffers: kv >= the chosen b_a's of both phases; each buffer holds
+              b_a sequences of the workload's length, and at least one of the model's context)
+            + staging (B + tps rows of hidden state and rope)
+    arena + b_e . expert activation row + rows . hidden . 6 . itemsize (temporaries) <= budget
+    The arena is what the runtime allocates (plan["arena"]); temporaries live beside it.
   host memory (when --host-mem is set), at a 0.8 derate:
     weights + B . blocks per sequence . block bytes + rows . host-buffer bytes per row <= budget
   objective (per request): minimise output/B . T_decode + prompt/tps . T_prefill,
@@ -41,6 +44,9 @@ DEVICE_DERATE = 0.9
 HOST_DERATE = 0.8
 TEMP_ALLOWANCE = 0  # the 0.9 derate leaves 10% of --gpu-mem for temporaries
 KV_BLOCK = 8
+ALIGN = 256  # the runtime carves arena tensors at this alignment (runtime/arena.py)
+DENSE_SLOT_PAD = 16 * ALIGN  # room for the alignment of up to 16 tensors in one module's slot
+EXPERT_SLOT_PAD = 6 * ALIGN  # gate, up, down (+ biases)
 CPU_FRESH_MAP_BYTES = 32 * 2**20
 US = 1e6  # time unit of the program: microseconds
 T_MAX = 10**9  # µs: bound on one step (1000 s) (keeps every product inside int64)
@@ -75,13 +81,29 @@ class Problem:
         out: dict[str, int] = {}
         if not self.copies:
             return out
-        for lc in self.cost.layers:
-            out[f"L{lc.layer}.attn"] = lc.attn_bytes
+        for lc in self.cost.layers:  # bytes plus the runtime's alignment of each tensor
+            out[f"L{lc.layer}.attn"] = lc.attn_bytes + DENSE_SLOT_PAD
             if lc.moe:
-                out[f"L{lc.layer}.experts"] = lc.expert_bytes * lc.num_experts
-            out[f"L{lc.layer}.dense"] = lc.dense_bytes + lc.router_bytes
-        out["head"] = self.cost.head_bytes
+                out[f"L{lc.layer}.experts"] = (lc.expert_bytes + EXPERT_SLOT_PAD) * lc.num_experts
+            out[f"L{lc.layer}.dense"] = lc.dense_bytes + lc.router_bytes + DENSE_SLOT_PAD
+        out["head"] = self.cost.head_bytes + DENSE_SLOT_PAD
         return out
+
+    def kv_buffer_tokens(self, b_a: int) -> int:
+        """Positions one device KV buffer holds: b_a sequences of the workload's length (in
+        whole blocks), and never less than one sequence of the model's full context."""
+        blocks = max(b_a * -(-self.seq_len // KV_BLOCK), -(-max(self.cost.max_context, 1) // KV_BLOCK))
+        return blocks * KV_BLOCK
+
+    def kv_buffer_bytes(self, b_a: int) -> int:
+        """Both KV buffers (K and V each), as the runtime carves them."""
+        layer_pos = max((lc.kv_bytes_per_ctx for lc in self.cost.layers), default=0)
+        return 2 * self.kv_buffer_tokens(b_a) * layer_pos + 4 * ALIGN
+
+    def stage_bytes(self, B: int, tps: int) -> int:
+        """Staging for hidden states brought to the device: a step has at most B + tps rows."""
+        c = self.cost
+        return (B + tps) * (c.hidden + 2 * c.head_dim) * c.itemsize + 4 * ALIGN
 
 
 @dataclass
@@ -133,11 +155,14 @@ class _Tables:
     dec_copy_fixed: list[int]  # KV traffic per layer (ns)
     pre_copy_fixed: dict[tuple[int, int, int], list[int]]
     fetch_ns: dict[str, dict[str, int]]  # phase -> group -> ns when not resident (per step)
-    dev_fixed: int
-    dev_b_a: dict[int, int]
-    dev_b_e: dict[int, int]
-    dev_pre: dict[tuple[int, int, int], int]
-    dev_p: dict[int, int]
+    dev_fixed: int  # two dense slots
+    dev_b_a: dict[int, int]  # decode temporaries of an attention micro-batch
+    dev_b_e: dict[int, int]  # decode temporaries of an expert chunk
+    dev_pre: dict[tuple[int, int, int], int]  # prefill temporaries
+    dev_p: dict[int, int]  # expert slots
+    dev_kv_dec: dict[int, int]  # KV buffers for a decode b_a
+    dev_kv_pre: dict[tuple[int, int, int], int]  # KV buffers for a prefill (tps, b_a, b_e)
+    dev_stage: dict[tuple[int, int, int], int]  # staging for B + tps rows
     host_bytes: dict[str, int]
     w_dec: float  # decode steps per request
     w_pre: dict[tuple[int, int, int], float]  # prefill steps per request
@@ -194,17 +219,20 @@ def _tables(pr: Problem, B: int) -> _Tables:
                 lc = c.layers[int(g.split(".")[0][1:])]
                 used = experts_in_use(lc, T) * lc.expert_bytes
             fetch_ns[phase][g] = ns(used / r.copy_rate("h2d", used)) if used else 0
-    kv_layer_pos = max((lc.kv_bytes_per_ctx for lc in c.layers), default=0)
     it = c.itemsize
-    dev_b_a = {a: 2 * a * pr.seq_len * kv_layer_pos + a * c.hidden * 6 * it for a in b_a}
+    dev_b_a = {a: a * c.hidden * 6 * it for a in b_a}
     dev_b_e = {e: e * c.act_bytes_per_token for e in b_e}
-    dev_pre = {(t, a, e): 2 * a * pr.seq_len * kv_layer_pos + min(t, a * max(1, int(pr.prompt_tokens))) * c.hidden
-               * 6 * it + e * c.act_bytes_per_token for t, a, e in pre}
-    dev_p = {q: (q + 1) * c.max_expert_bytes for q in p}
+    dev_pre = {(t, a, e): min(t, a * max(1, int(pr.prompt_tokens))) * c.hidden * 6 * it + e * c.act_bytes_per_token
+               for t, a, e in pre}
+    dev_p = {q: (q + 1) * (c.max_expert_bytes + EXPERT_SLOT_PAD) for q in p}
+    dev_kv_dec = {a: pr.kv_buffer_bytes(a) for a in b_a}
+    dev_kv_pre = {k: pr.kv_buffer_bytes(k[1]) for k in pre}
+    dev_stage = {k: pr.stage_bytes(B, k[0]) for k in pre}
     # drop dominated options (no faster in any layer and no smaller): they can never be optimal
     if pr.pareto:
-        b_a, b_e, pre = _prune(pr, b_a, b_e, pre, pre_tps, dec_attn, dec_ffn, pre_comp, pre_head, dev_b_a, dev_b_e,
-                               dev_pre)
+        b_a, b_e, pre = _prune(pr, b_a, b_e, pre, pre_tps, dec_attn, dec_ffn, pre_comp, pre_head,
+                               {a: dev_b_a[a] + dev_kv_dec[a] for a in b_a}, dev_b_e,
+                               {k: dev_pre[k] + dev_kv_pre[k] + dev_stage[k] for k in pre})
     blocks = -(-pr.seq_len // KV_BLOCK)
     host = {"weights": c.weight_bytes, "kv_cache": B * (blocks + 1) * KV_BLOCK * c.kv_bytes_per_token,
             "buffers": max(B, max(pre_tps)) * c.buffer_bytes_per_token}
@@ -212,8 +240,9 @@ def _tables(pr: Problem, B: int) -> _Tables:
         B=B, b_a=b_a, b_e=b_e, pre=pre, p=p, groups=groups, dec_attn=dec_attn, dec_ffn=dec_ffn,
         pre_comp=pre_comp, dec_head=ns(head_seconds(c, r, B)), pre_head=pre_head, dec_copy_fixed=kv_copy(dec),
         pre_copy_fixed=pre_copy_fixed, fetch_ns=fetch_ns,
-        dev_fixed=(2 * c.max_dense_module_bytes if pr.copies else 0) + TEMP_ALLOWANCE,
-        dev_b_a=dev_b_a, dev_b_e=dev_b_e, dev_pre=dev_pre, dev_p=dev_p, host_bytes=host,
+        dev_fixed=(2 * (c.max_dense_module_bytes + DENSE_SLOT_PAD) if pr.copies else 0) + TEMP_ALLOWANCE,
+        dev_b_a=dev_b_a, dev_b_e=dev_b_e, dev_pre=dev_pre, dev_p=dev_p, dev_kv_dec=dev_kv_dec,
+        dev_kv_pre=dev_kv_pre, dev_stage=dev_stage, host_bytes=host,
         w_dec=pr.output_tokens / B,
         w_pre={k: pr.prompt_tokens / k[0] for k in pre},
     )
@@ -344,9 +373,13 @@ def _cp_sat(pr: Problem, tb: _Tables, pre: list[tuple[int, int, int]], time_limi
         budget = int(pr.gpu_mem * DEVICE_DERATE)
         res = sum(rg[g] * b for g, b in tb.groups.items())
         slots = sum(y[q] * tb.dev_p[q] for q in tb.p)
-        m.Add(res + slots + tb.dev_fixed + sum(xa[a] * tb.dev_b_a[a] for a in tb.b_a)
-              + sum(xe[e] * tb.dev_b_e[e] for e in tb.b_e) <= budget)
-        m.Add(res + slots + tb.dev_fixed + sum(z[k] * tb.dev_pre[k] for k in pre) <= budget)
+        kv = m.NewIntVar(0, budget, "kv_buffers")  # one arena for both phases: the larger b_a's
+        m.Add(kv >= sum(xa[a] * tb.dev_kv_dec[a] for a in tb.b_a))
+        m.Add(kv >= sum(z[k] * tb.dev_kv_pre[k] for k in pre))
+        arena = res + slots + tb.dev_fixed + kv + sum(z[k] * tb.dev_stage[k] for k in pre)
+        m.Add(arena + sum(xa[a] * tb.dev_b_a[a] for a in tb.b_a) + sum(xe[e] * tb.dev_b_e[e] for e in tb.b_e)
+              <= budget)
+        m.Add(arena + sum(z[k] * tb.dev_pre[k] for k in pre) <= budget)
     # integer weights in proportion to the steps per request (largest 10^4: keeps CP-SAT's
     # arithmetic far from int64 limits; relative rounding <= 1e-4)
     scale = 1e4 / max(tb.w_dec, tb.w_pre[pre[0]])
@@ -400,12 +433,17 @@ def _evaluate(pr: Problem, tb: _Tables, ch: Choice) -> tuple[float, int, int, li
 
 def _device_bytes(pr: Problem, tb: _Tables, ch: Choice) -> dict[str, int]:
     res = sum(b for g, b in tb.groups.items() if g in ch.resident)
-    slots = tb.dev_p[ch.prefetch] if pr.copies else 0  # no budget: weights are read in place
-    common = res + slots + tb.dev_fixed
-    return {"resident_weights": res, "expert_slots": slots, "fixed": tb.dev_fixed,
-            "decode_buffers": tb.dev_b_a[ch.b_a] + tb.dev_b_e[ch.b_e], "prefill_buffers": tb.dev_pre[ch.prefill],
-            "decode_total": common + tb.dev_b_a[ch.b_a] + tb.dev_b_e[ch.b_e],
-            "prefill_total": common + tb.dev_pre[ch.prefill]}
+    if not pr.copies:  # no budget: no arena, weights are read in place
+        return {"resident_weights": 0, "expert_slots": 0, "dense_slots": 0, "kv_buffers": 0, "staging": 0,
+                "arena": 0, "decode_temporaries": tb.dev_b_a[ch.b_a] + tb.dev_b_e[ch.b_e],
+                "prefill_temporaries": tb.dev_pre[ch.prefill], "decode_total": 0, "prefill_total": 0}
+    kv = max(tb.dev_kv_dec[ch.b_a], tb.dev_kv_pre[ch.prefill])
+    arena = res + tb.dev_p[ch.prefetch] + tb.dev_fixed + kv + tb.dev_stage[ch.prefill]
+    dec_tmp, pre_tmp = tb.dev_b_a[ch.b_a] + tb.dev_b_e[ch.b_e], tb.dev_pre[ch.prefill]
+    return {"resident_weights": res, "expert_slots": tb.dev_p[ch.prefetch], "dense_slots": tb.dev_fixed,
+            "kv_buffers": kv, "staging": tb.dev_stage[ch.prefill], "arena": arena,
+            "decode_temporaries": dec_tmp, "prefill_temporaries": pre_tmp,
+            "decode_total": arena + dec_tmp, "prefill_total": arena + pre_tmp}
 
 
 def _describe(pr: Problem, tb: _Tables, ch: Choice) -> Solution:
@@ -451,10 +489,11 @@ def minimum_device_bytes(pr: Problem) -> int:
     import dataclasses
 
     tb = _tables(dataclasses.replace(pr, pareto=False, gpu_mem=pr.gpu_mem or 1), 1)
-    common = tb.dev_fixed + min(tb.dev_p.values())
+    k = min(tb.pre, key=lambda k: tb.dev_pre[k] + tb.dev_kv_pre[k] + tb.dev_stage[k])
+    common = tb.dev_fixed + min(tb.dev_p.values()) + tb.dev_stage[k]
+    kv = max(min(tb.dev_kv_dec.values()), tb.dev_kv_pre[k])
     dec = min(tb.dev_b_a.values()) + min(tb.dev_b_e.values())
-    pre = min(tb.dev_pre.values())
-    return common + max(dec, pre)
+    return common + kv + max(dec, tb.dev_pre[k])
 
 
 def batch_candidates(pr: Problem) -> list[int]:

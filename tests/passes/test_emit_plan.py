@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moecc.compiler import compile_model
+from moecc_runtime.plan import SCHEMA_VERSION
 from moecc_runtime.weights import WeightStore
 
 from tests.passes.util import check_golden, run_pass
@@ -34,7 +35,7 @@ def test_plan_is_plain_data_loadable_with_weights_only():
     torch.save(result.graph.attrs["plan"], buf)
     buf.seek(0)
     plan = torch.load(buf, weights_only=True)
-    assert plan["schema"] == "moecc.plan" and plan["version"] == 1
+    assert plan["schema"] == "moecc.plan" and plan["version"] == SCHEMA_VERSION
     assert [m["module"] for m in plan["schedule"]] == ["stem", "L0.attn", "L0.moe", "head"]
     assert all(e["file"] is None for e in plan["weights"].values())  # config-only checkpoint
 
