@@ -102,6 +102,8 @@ def exec_cmd(
 ) -> None:
     """Run PLAN over every request in PROMPTS."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from moecc_runtime.arena import ArenaError
+    from moecc_runtime.copy_engine import CopyError
     from moecc_runtime.exec import run_job
     from moecc_runtime.plan import PlanError
     from moecc_runtime.weights import WeightError
@@ -112,8 +114,8 @@ def exec_cmd(
     try:
         summary = run_job(plan, prompts, out, errors_path=errors, model_dir=model, max_tokens=max_tokens,
                           device=device, max_batch=max_batch, stats_path=stats)
-    except (PlanError, WeightError, OSError, RuntimeError) as e:
-        _fail(str(e))
+    except (PlanError, WeightError, CopyError, ArenaError, OSError, RuntimeError) as e:
+        _fail(f"{e} (results finished before this are in {output or 'stdout'})")
     finally:
         if out is not sys.stdout:
             out.close()
@@ -123,6 +125,12 @@ def exec_cmd(
         f"({summary.tokens_per_second:.1f} tok/s)" + (f"; errors in {errors}" if summary.failed and errors else ""),
         err=True,
     )
+    eng = summary.engine
+    if eng.get("arena_bytes"):
+        eff = eng.get("overlap_efficiency")
+        typer.echo(f"device arena {eng['arena_bytes'] / 2**20:.1f} MiB, peak used {eng['peak_device_bytes'] / 2**20:.1f} "
+                   f"MiB; copied {eng['copy_bytes'] / 2**30:.2f} GiB in {eng['copy_seconds']:.2f}s, compute waited "
+                   f"{eng['wait_seconds']:.2f}s" + (f" (overlap {eff:.0%})" if eff is not None else ""), err=True)
     if summary.failed:
         raise typer.Exit(1)
 

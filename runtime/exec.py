@@ -124,6 +124,7 @@ def run_job(
     finally:
         summary.seconds = time.perf_counter() - start
         summary.engine = asdict(engine.stats)
+        summary.engine["overlap_efficiency"] = engine.stats.overlap_efficiency
         engine.close()
         if err_file is not None:
             err_file.close()
