@@ -231,8 +231,8 @@ def _tables(pr: Problem, B: int) -> _Tables:
     # drop dominated options (no faster in any layer and no smaller): they can never be optimal
     if pr.pareto:
         b_a, b_e, pre = _prune(pr, b_a, b_e, pre, pre_tps, dec_attn, dec_ffn, pre_comp, pre_head,
-                               {a: dev_b_a[a] + dev_kv_dec[a] for a in b_a}, dev_b_e,
-                               {k: dev_pre[k] + dev_kv_pre[k] + dev_stage[k] for k in pre})
+                               {a: (dev_kv_dec[a], dev_b_a[a]) for a in b_a}, dev_b_e,
+                               {k: (dev_kv_pre[k], dev_pre[k] + dev_stage[k]) for k in pre})
     blocks = -(-pr.seq_len // KV_BLOCK)
     host = {"weights": c.weight_bytes, "kv_cache": B * (blocks + 1) * KV_BLOCK * c.kv_bytes_per_token,
             "buffers": max(B, max(pre_tps)) * c.buffer_bytes_per_token}
@@ -249,15 +249,22 @@ def _tables(pr: Problem, B: int) -> _Tables:
 
 
 def _prune(pr, b_a, b_e, pre, pre_tps, dec_attn, dec_ffn, pre_comp, pre_head, dev_b_a, dev_b_e, dev_pre):
+    """dev_b_a / dev_pre: memory tuples (KV buffers, the rest); dev_b_e: bytes."""
     b_a = _pareto(b_a, lambda a: dec_attn[a], lambda a: dev_b_a[a])
-    b_e = _pareto(b_e, lambda e: dec_ffn[e], lambda e: dev_b_e[e])
+    b_e = _pareto(b_e, lambda e: dec_ffn[e], lambda e: (dev_b_e[e],))
     pre = [k for t in pre_tps for k in _pareto([k for k in pre if k[0] == t],
                                                lambda k: pre_comp[k] + [pre_head[k]], lambda k: dev_pre[k])]
     return b_a, b_e, pre
 
 
 def _pareto(options: list, times, mem) -> list:
-    """Options not dominated by another (all layer times <= and memory <=, one strictly)."""
+    """Options not dominated by another (all layer times <= and every memory component <=,
+    one strictly). Memory is a tuple of components that meet different constraints (KV
+    buffers, shared by both phases through a max, and the phase's own temporaries), so
+    only an option no larger in each can stand in for another."""
+    def le(a: tuple, b: tuple) -> bool:
+        return all(x <= y for x, y in zip(a, b))
+
     keep = []
     for o in options:
         to, mo = times(o), mem(o)
@@ -266,8 +273,8 @@ def _pareto(options: list, times, mem) -> list:
             if q is o:
                 continue
             tq, mq = times(q), mem(q)
-            if mq <= mo and all(a <= b for a, b in zip(tq, to)) and (mq < mo or tq != to or
-                                                                      options.index(q) < options.index(o)):
+            if le(mq, mo) and all(a <= b for a, b in zip(tq, to)) and (mq != mo or tq != to or
+                                                                        options.index(q) < options.index(o)):
                 dominated = True
                 break
         if not dominated:
