@@ -105,6 +105,10 @@ class HardwareProfile:
     cpu_cores: int
     cpu_flops: dict[str, float]  # peak dense GEMM FLOP/s per dtype on the host CPU
     curves: dict = field(default_factory=dict)
+    # share of a transfer's time that can run behind compute: 1 for a GPU's DMA copy engine;
+    # on a CPU-only machine the copy thread takes cores and memory bandwidth from compute
+    # (`moecc profile` measures it: GEMMs timed alone and beside a copying thread)
+    copy_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         _validate(self.to_json(), origin=None)
@@ -171,6 +175,7 @@ class HardwareProfile:
         kwargs["cpu_flops"] = {k: float(v) for k, v in d["cpu_flops"].items()}
         for key in ("device_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "host_bandwidth"):
             kwargs[key] = float(d[key])
+        kwargs["copy_overlap"] = float(d.get("copy_overlap", 1.0))
         kwargs["curves"] = {kind: {k: [[float(x), float(y)] for x, y in pts] for k, pts in per.items()}
                             for kind, per in d.get("curves", {}).items()}
         return cls(**kwargs)
@@ -253,8 +258,11 @@ def _validate(d: Any, *, origin: str | None) -> None:
         if key not in known:
             raise bad(key, f"is not a hardware profile field (known: {', '.join(sorted(known))})")
     for f in fields(HardwareProfile):
-        if f.name not in d and f.name != "curves":
+        if f.name not in d and f.name not in ("curves", "copy_overlap"):
             raise bad(f.name, "is missing")
+    ov = d.get("copy_overlap", 1.0)
+    if isinstance(ov, bool) or not isinstance(ov, (int, float)) or not 0.0 <= ov <= 1.0:
+        raise bad("copy_overlap", f"must be a number from 0 to 1, got {ov!r}")
     text("name", d["name"])
     text("source", d["source"], SOURCES)
     text("device_kind", d["device_kind"], DEVICE_KINDS)
@@ -346,14 +354,16 @@ PRESETS: dict[str, HardwareProfile] = {
     # FMA pipes) = 192 GFLOP/s (measured: 95 GFLOP/s on one idle Zen 4 core through F.linear).
     # bf16: 2x FP32 (AVX512-BF16 dot products; measured 212 GFLOP/s per core). fp16: 0.2x FP32
     # (no AVX512-FP16: converted on the fly; measured 21 GFLOP/s per core). Memory ~20 GB/s; a
-    # host-to-host memcpy moves ~10 GB/s (it reads and writes every byte).
+    # host-to-host memcpy moves ~10 GB/s (it reads and writes every byte); a single-threaded
+    # memcpy of weights from the page cache ~7 GB/s. Copy overlap 0.5: bench/stream.py's
+    # streamed runs lost about half of their copy time from compute (2 cores shared).
     "cpu": HardwareProfile(
         name="cpu", source="preset", device_kind="cpu", device_name="2-core x86-64 CPU (AVX2 FMA)",
         device_memory_bytes=24 * GB,
         device_flops={"float32": 192e9, "bfloat16": 384e9, "float16": 40e9},
         device_bandwidth=20 * GBPS, h2d_bandwidth=10 * GBPS, d2h_bandwidth=10 * GBPS,
         host_bandwidth=20 * GBPS, cpu_cores=2,
-        cpu_flops={"float32": 192e9, "bfloat16": 384e9, "float16": 40e9}, curves={},
+        cpu_flops={"float32": 192e9, "bfloat16": 384e9, "float16": 40e9}, curves={}, copy_overlap=0.5,
     ),
 }
 

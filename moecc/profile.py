@@ -8,8 +8,12 @@ What is measured (all with torch, on the compute device unless said otherwise):
 - Attention rate against KV bytes: scaled_dot_product_attention with one query token per
   sequence over a K/V cache; rate = K+V bytes read / time. On CUDA also on the CPU.
 - Copy rate against size: pinned host -> device and device -> pinned host on CUDA; on a
-  CPU-only machine the "device" is the CPU and a copy is a plain copy between two host
-  buffers (both directions share that one curve).
+  CPU-only machine the "device" is the CPU and a copy is what the runtime's copy engine
+  does there: a single-threaded memmove between two host buffers on its own thread (both
+  directions share that one curve).
+- Copy/compute overlap (CPU-only machines): GEMMs timed alone and while a thread copies
+  without pause; the compute time lost per second of copying is the share of a copy that
+  cannot hide (copy_overlap = 1 - that). On CUDA the copy engine is a DMA engine: 1.
 - Host memory bandwidth (a big host copy; bytes read + written per second), device memory
   bandwidth (a big device copy on CUDA; the host figure on CPU), cores, memory size.
 
@@ -204,6 +208,98 @@ def _memory_bandwidth(torch, dev: str, nbytes: int, timer: _Timer) -> float:
     return 2.0 * nbytes / sec
 
 
+def _host_copy_curve(torch, s: _Settings) -> list[list[float]]:
+    """Bytes/s of the CPU copy engine's transfer: ctypes.memmove (one thread, the GIL
+    released) on a worker thread, from a rotating source pool larger than the caches."""
+    import ctypes
+    import threading
+
+    biggest = max(s.copy_sizes)
+    src = torch.ones(max(biggest, s.weight_pool_bytes), dtype=torch.uint8)
+    dst = torch.ones(biggest, dtype=torch.uint8)
+    timer = _Timer(lambda: None, s)
+    counter = [0]
+
+    def one(nbytes: float) -> tuple[float, float]:
+        n = int(nbytes)
+        slots = src.numel() // n
+        out: list[tuple[float, float]] = []
+
+        def call() -> None:
+            counter[0] += 1
+            i = counter[0] % slots
+            ctypes.memmove(dst.data_ptr(), src.data_ptr() + i * n, n)
+
+        def work() -> None:
+            out.append(timer.per_call(call))
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        sec, first = out[0]
+        return nbytes / sec, first
+
+    return _curve(s.copy_sizes, one, s.slow_call_s)
+
+
+def _cpu_copy_overlap(torch, s: _Settings, window_s: float) -> float:
+    """Share of a copy thread's time that does not slow compute on this CPU: GEMMs (the
+    runtime's expert shape, from a rotating pool) are timed alone, then while a thread
+    memmoves without pause; steal = compute seconds lost / copy seconds done (at the
+    copy's solo rate). Returns 1 - steal, clamped to [0, 1]."""
+    import ctypes
+    import threading
+
+    import torch.nn.functional as F
+
+    dim, tokens = s.gemm_dim, 256
+    pool = max(2, s.weight_pool_bytes // (dim * dim * 4))
+    ws = [torch.randn(dim, dim) for _ in range(pool)]
+    x = torch.randn(tokens, dim)
+    n = 16 << 20
+    src = torch.ones(max(4 * n, s.weight_pool_bytes), dtype=torch.uint8)
+    dst = torch.ones(n, dtype=torch.uint8)
+
+    def gemms(seconds: float) -> tuple[int, float]:
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            F.linear(x, ws[calls % pool])
+            calls += 1
+        return calls, time.perf_counter() - t0
+
+    def copies(stop: threading.Event, done: list[int]) -> None:
+        i = 0
+        while not stop.is_set():
+            ctypes.memmove(dst.data_ptr(), src.data_ptr() + (i % (src.numel() // n)) * n, n)
+            i += 1
+        done.append(i)
+
+    gemms(0.05)  # warm-up
+    calls, secs = gemms(window_s)
+    per_call = secs / max(calls, 1)
+    t0 = time.perf_counter()
+    done: list[int] = []
+    stop = threading.Event()
+    solo = threading.Thread(target=copies, args=(stop, done))
+    solo.start()
+    time.sleep(window_s / 2)
+    stop.set()
+    solo.join()
+    copy_rate = done[0] * n / (time.perf_counter() - t0)
+    done.clear()
+    stop = threading.Event()
+    th = threading.Thread(target=copies, args=(stop, done))
+    th.start()
+    calls2, secs2 = gemms(window_s)
+    stop.set()
+    th.join()
+    lost = max(0.0, secs2 - calls2 * per_call)
+    copy_seconds = done[0] * n / copy_rate
+    if copy_seconds <= 0:
+        return 1.0
+    return max(0.0, min(1.0, 1.0 - lost / copy_seconds))
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -272,13 +368,15 @@ def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: b
             cpu_fp32 = {"float32": cpu_point[-1][1]} if cpu_point else {}
             device_name = torch.cuda.get_device_name(0)
             memory = int(torch.cuda.get_device_properties(0).total_memory)
+            overlap = 1.0  # a DMA copy engine
         else:
             cpu_attention = copy.deepcopy(attention)
-            h2d = _copy_curve(torch, "cpu", "cpu", False, s, timer)
+            h2d = _host_copy_curve(torch, s)
             if not h2d:
                 raise HardwareError("host copy measurement failed: no finite copy rate")
             d2h = copy.deepcopy(h2d)
-            host_bw = 2.0 * h2d[-1][1]  # the biggest copy: bytes read + written per second
+            host_bw = _memory_bandwidth(torch, "cpu", s.big_copy_bytes, timer)
+            overlap = _cpu_copy_overlap(torch, s, 0.3 if quick else 1.5)
             device_bw = host_bw
             device_name = _cpu_name()
             memory = _host_memory_bytes()
@@ -302,7 +400,7 @@ def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: b
         device_bandwidth=device_bw, h2d_bandwidth=h2d[-1][1] if h2d else base.h2d_bandwidth,
         d2h_bandwidth=d2h[-1][1] if d2h else base.d2h_bandwidth, host_bandwidth=host_bw,
         cpu_cores=os.cpu_count() or 1, cpu_flops=cpu_flops,
-        curves={k: v for k, v in curves.items() if v},
+        curves={k: v for k, v in curves.items() if v}, copy_overlap=round(overlap, 3),
     )
 
 
@@ -360,6 +458,7 @@ def summarize(p: HardwareProfile) -> list[str]:
                          f"at {format_bytes(pts[-1][0])} of KV")
     if "attention" not in p.curves:
         lines.append(f"  attention {dts[0]}: {_si(p.attention_rate(dts[0], 1 << 26), 'B/s')} (estimate)")
-    lines.append(f"  copy h2d {_si(p.h2d_bandwidth, 'B/s')}, d2h {_si(p.d2h_bandwidth, 'B/s')}; "
+    lines.append(f"  copy h2d {_si(p.h2d_bandwidth, 'B/s')}, d2h {_si(p.d2h_bandwidth, 'B/s')} "
+                 f"({p.copy_overlap:.0%} of copy time can hide behind compute); "
                  f"memory: device {_si(p.device_bandwidth, 'B/s')}, host {_si(p.host_bandwidth, 'B/s')}")
     return lines

@@ -226,6 +226,8 @@ def _broken(edit) -> dict:
     (lambda d: d.__setitem__("curves", {"gemm": {"float32": []}}), "curves.gemm.float32"),
     (lambda d: d.__setitem__("curves", {"copy": {"d2d": [[1, 1]]}}), "curves.copy.d2d"),
     (lambda d: d.__setitem__("curves", {"roofline": {}}), "curves.roofline"),
+    (lambda d: d.__setitem__("copy_overlap", 1.5), "copy_overlap"),
+    (lambda d: d.__setitem__("copy_overlap", "half"), "copy_overlap"),
 ])
 def test_from_json_names_the_field(edit, field):
     with pytest.raises(HardwareError, match=re.escape(f"field '{field}'")):
@@ -235,7 +237,9 @@ def test_from_json_names_the_field(edit, field):
 def test_from_json_curves_optional_and_not_an_object():
     d = PRESETS["t4"].to_json()
     del d["curves"]
+    del d["copy_overlap"]  # optional too: a GPU's DMA engine overlaps fully
     assert HardwareProfile.from_json(d) == PRESETS["t4"]
+    assert PRESETS["t4"].copy_overlap == 1.0 and PRESETS["cpu"].copy_overlap < 1.0
     with pytest.raises(HardwareError, match="expected a JSON object"):
         HardwareProfile.from_json([1, 2])
 
@@ -280,6 +284,7 @@ def test_profile_quick_cli_writes_a_loadable_profile(tmp_path):
     assert p.cpu_flops == p.device_flops
     assert all(math.isfinite(r) and r > 0 for r in [p.device_bandwidth, p.host_bandwidth, p.h2d_bandwidth])
     assert p.gemm_rate("float32", 16) > 0 and p.attention_rate("float32", 1 << 20, on_cpu=True) > 0
+    assert 0.0 <= p.copy_overlap <= 1.0 and "can hide behind compute" in result.output
 
 
 def test_profile_cli_rejects_bad_dtype_and_device(tmp_path):

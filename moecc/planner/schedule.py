@@ -2,8 +2,8 @@
 
 The jobs are what the runtime does for one step of a phase (prefill or decode):
   per layer: fetch the attention weights (unless resident); per attention micro-batch,
-  load its KV (a copy; on a CPU-only device a gather the compute thread does), run
-  projections and attention, store the new K/V; then the router over all rows, and for
+  load its KV (a copy-lane job with an arena; without one, a gather the compute thread
+  does), run projections and attention, store the new K/V; then the router over all rows, and for
   each expert in use, fetch it (unless resident) and run it over its tokens in chunks of
   b_e; dense MLPs in chunks of b_e; finally the head over the rows that sample.
 Edges: data dependencies, program order on each lane (one compute lane, one copy lane),
@@ -30,6 +30,8 @@ class Rates(Protocol):
     """What the schedule needs from a hardware profile."""
 
     device_kind: str
+    copy_overlap: float  # share of copy time that can hide behind compute
+    host_bandwidth: float  # bytes read + written per second
 
     def gemm_rate(self, dtype: str, tokens: int) -> float: ...
 
@@ -58,6 +60,12 @@ class Knobs:
 
     def is_resident(self, what: str) -> bool:
         return "all" in self.resident or what in self.resident
+
+    @property
+    def streams(self) -> bool:
+        """Weights and KV go through the device arena (a plan with a device budget); else
+        weights are read in place and KV is gathered by the compute thread."""
+        return "all" not in self.resident
 
 
 @dataclass
@@ -123,20 +131,27 @@ def experts_in_use(lc: LayerCost, T: float) -> float:
     return lc.num_experts * (1.0 - (1.0 - lc.top_k / lc.num_experts) ** T)
 
 
-def attn_micro_seconds(lc: LayerCost, rates: Rates, dtype: str, s_m: float, t_m: float, c: float) -> float:
-    """Compute of one attention micro-batch: projections at its row count, attention at the
-    rate it reads KV (plus, on a CPU-only device, the gather of that KV)."""
-    cpu = rates.device_kind == "cpu"
+def attn_micro_seconds(lc: LayerCost, rates: Rates, dtype: str, s_m: float, t_m: float, c: float,
+                       gather: bool = True) -> float:
+    """Compute-thread time of one attention micro-batch: projections at its row count,
+    attention at the rate it reads KV, the store of its new K/V to the host pool, and (with
+    `gather`, i.e. without an arena's copy engine) the gather of its KV."""
     kv = s_m * c * lc.kv_bytes_per_ctx
+    store = t_m * lc.kv_bytes_per_ctx
     proj = gemm_seconds(rates, dtype, lc.attn_flops, t_m, max(1, int(math.ceil(t_m))))
-    att = kv / rates.attention_rate(dtype, kv, on_cpu=cpu) if kv > 0 else 0.0
-    gather = (kv / rates.copy_rate("h2d", kv) + OP_OVERHEAD_S) if cpu and kv > 0 else 0.0
-    return proj + att + gather + 12 * OP_OVERHEAD_S
+    att = kv / rates.attention_rate(dtype, kv, on_cpu=rates.device_kind == "cpu") if kv > 0 else 0.0
+    put = store / rates.copy_rate("d2h", store) if store > 0 else 0.0
+    get = 0.0
+    if gather and kv > 0:  # the compute thread's own copy: at host memory speed on a CPU
+        rate = rates.host_bandwidth / 2 if rates.device_kind == "cpu" else rates.copy_rate("h2d", kv)
+        get = kv / rate + OP_OVERHEAD_S
+    return proj + att + put + get + 12 * OP_OVERHEAD_S
 
 
-def attn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, shape: StepShape, b_a: int) -> float:
+def attn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, shape: StepShape, b_a: int,
+                       gather: bool = True) -> float:
     M = max(1, math.ceil(shape.S / max(1, b_a)))
-    return M * attn_micro_seconds(lc, rates, dtype, shape.S / M, shape.T / M, shape.context)
+    return M * attn_micro_seconds(lc, rates, dtype, shape.S / M, shape.T / M, shape.context, gather)
 
 
 def ffn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, b_e: int) -> float:
@@ -154,9 +169,14 @@ def head_seconds(cost: ModelCost, rates: Rates, rows: int) -> float:
 
 
 def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs) -> Schedule:
-    """The step's job DAG and its critical path (times from `rates`)."""
+    """The step's job DAG and its critical path (times from `rates`).
+
+    With an arena (`knobs.streams`) fetches and KV loads are copy-lane jobs; a copy that
+    cannot fully hide behind compute (`rates.copy_overlap` < 1: a CPU's copy thread shares
+    its cores) also lengthens the compute job that consumes it by the share it steals."""
     dt = cost.dtype
-    cpu = rates.device_kind == "cpu"
+    streams = knobs.streams
+    steal = 1.0 - rates.copy_overlap
     g = nx.DiGraph()
     jobs: dict[str, Job] = {}
     last = {"compute": None, "copy": None}
@@ -174,6 +194,9 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
     def copy(bytes_: float, direction: str = "h2d") -> float:
         return bytes_ / rates.copy_rate(direction, bytes_) if bytes_ > 0 else 0.0
 
+    def stolen(*copies: str | None) -> float:
+        return steal * sum(jobs[c].seconds for c in copies if c is not None)
+
     S, T, c = shape.S, shape.T, shape.context
     M = max(1, math.ceil(S / max(1, knobs.b_a)))
     prev = add("stem", "compute", OP_OVERHEAD_S * 3, "gemm", [])
@@ -181,23 +204,21 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
     for lc in cost.layers:
         i = lc.layer
         wfetch = None
-        if not knobs.is_resident(f"L{i}.attn") and not cpu:
+        if streams and not knobs.is_resident(f"L{i}.attn"):
             wfetch = add(f"L{i}.fetch.attn", "copy", copy(lc.attn_bytes), "fetch", [], i)
         attn_jobs = []
         for m in range(M):
             s_m, t_m = S / M, T / M
             kv = s_m * c * lc.kv_bytes_per_ctx
             load = None
-            if not cpu:  # waits for its buffer: the one two attention jobs back (on a CPU-only
-                # device the gather is the compute thread's own memcpy, inside the attention job)
+            if streams:  # into the KV buffer the attention job two back used
                 load = add(f"L{i}.kv_load.{m}", "copy", copy(kv), "kv_load",
                            [all_attn[-2] if len(all_attn) >= 2 else None], i)
-            a = add(f"L{i}.attn.{m}", "compute", attn_micro_seconds(lc, rates, dt, s_m, t_m, c), "attention",
+            t = attn_micro_seconds(lc, rates, dt, s_m, t_m, c, gather=not streams)
+            a = add(f"L{i}.attn.{m}", "compute", t + stolen(load, wfetch if m == 0 else None), "attention",
                     [prev, load, wfetch], i)
             attn_jobs.append(a)
             all_attn.append(a)
-            if not cpu:
-                add(f"L{i}.kv_store.{m}", "copy", copy(t_m * lc.kv_bytes_per_ctx, "d2h"), "kv_store", [a], i)
         prev = add(f"L{i}.router", "compute", gemm_seconds(rates, dt, lc.router_flops, T, max(1, T))
                    + 6 * OP_OVERHEAD_S, "gemm", attn_jobs, i)
         if lc.moe:
@@ -205,28 +226,27 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
             n_jobs = max(1, int(math.ceil(used - 1e-9)))
             per_expert = T * lc.top_k / max(used, 1e-9)  # tokens per expert in use
             computes: list[str] = []
-            resident = knobs.is_resident(f"L{i}.experts") or cpu
+            resident = knobs.is_resident(f"L{i}.experts") or not streams
             for e in range(n_jobs):
                 share = min(1.0, used - e)  # the last job carries the fractional expert
-                deps: list[str | None] = []
                 fetch = None
                 if not resident:
                     back = e - knobs.prefetch - 1
                     fetch = add(f"L{i}.fetch.e{e}", "copy", share * copy(lc.expert_bytes), "fetch",
                                 [computes[back] if back >= 0 else prev], i)
                 t = share * expert_seconds(rates, dt, lc.expert_flops, per_expert, knobs.b_e) + share * 8 * OP_OVERHEAD_S
-                computes.append(add(f"L{i}.expert.{e}", "compute", t, "gemm", [prev, fetch] + deps, i))
+                computes.append(add(f"L{i}.expert.{e}", "compute", t + stolen(fetch), "gemm", [prev, fetch], i))
             prev = computes[-1]
         else:
             dfetch = None
-            if not knobs.is_resident(f"L{i}.dense") and not cpu:
+            if streams and not knobs.is_resident(f"L{i}.dense"):
                 dfetch = add(f"L{i}.fetch.dense", "copy", copy(lc.dense_bytes), "fetch", [prev], i)
-            prev = add(f"L{i}.mlp", "compute", gemm_seconds(rates, dt, lc.dense_flops, T, knobs.b_e), "gemm",
-                       [prev, dfetch], i)
+            prev = add(f"L{i}.mlp", "compute", gemm_seconds(rates, dt, lc.dense_flops, T, knobs.b_e) + stolen(dfetch),
+                       "gemm", [prev, dfetch], i)
     hfetch = None
-    if not knobs.is_resident("head") and not cpu:
+    if streams and not knobs.is_resident("head"):
         hfetch = add("head.fetch", "copy", copy(cost.head_bytes), "fetch", [])
-    add("head", "compute", head_seconds(cost, rates, shape.head_rows), "head", [prev, hfetch])
+    add("head", "compute", head_seconds(cost, rates, shape.head_rows) + stolen(hfetch), "head", [prev, hfetch])
     return _critical(g, jobs)
 
 

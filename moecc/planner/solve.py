@@ -49,6 +49,7 @@ DENSE_SLOT_PAD = 16 * ALIGN  # room for the alignment of up to 16 tensors in one
 EXPERT_SLOT_PAD = 6 * ALIGN  # gate, up, down (+ biases)
 CPU_FRESH_MAP_BYTES = 32 * 2**20
 US = 1e6  # time unit of the program: microseconds
+STEAL_SCALE = 1000  # (1 - copy_overlap) as an integer share in thousandths
 T_MAX = 10**9  # µs: bound on one step (1000 s) (keeps every product inside int64)
 
 
@@ -164,6 +165,7 @@ class _Tables:
     dev_kv_pre: dict[tuple[int, int, int], int]  # KV buffers for a prefill (tps, b_a, b_e)
     dev_stage: dict[tuple[int, int, int], int]  # staging for B + tps rows
     host_bytes: dict[str, int]
+    steal: int  # (1 - copy_overlap) x STEAL_SCALE: compute time a copy-second costs
     w_dec: float  # decode steps per request
     w_pre: dict[tuple[int, int, int], float]  # prefill steps per request
 
@@ -187,25 +189,25 @@ def _tables(pr: Problem, B: int) -> _Tables:
         return StepShape(S=int(math.ceil(seqs)), T=t, context=pr.prompt_tokens / 2, head_rows=int(math.ceil(seqs)))
 
     ns = lambda s: int(round(s * US))  # noqa: E731
-    dec_attn = {a: [ns(attn_layer_seconds(lc, r, dt, dec, a)) for lc in c.layers] for a in b_a}
+    gather = not pr.copies  # without an arena the compute thread gathers KV itself
+    dec_attn = {a: [ns(attn_layer_seconds(lc, r, dt, dec, a, gather)) for lc in c.layers] for a in b_a}
     dec_ffn = {e: [ns(ffn_layer_seconds(lc, r, dt, B, e)) for lc in c.layers] for e in b_e}
     pre_comp = {}
     pre_head = {}
     pre_copy_fixed = {}
     for t, a, e in pre:
         sh = pre_shape(t)
-        pre_comp[(t, a, e)] = [ns(attn_layer_seconds(lc, r, dt, sh, a) + ffn_layer_seconds(lc, r, dt, t, e))
+        pre_comp[(t, a, e)] = [ns(attn_layer_seconds(lc, r, dt, sh, a, gather) + ffn_layer_seconds(lc, r, dt, t, e))
                                for lc in c.layers]
         pre_head[(t, a, e)] = ns(head_seconds(c, r, sh.head_rows))
 
     def kv_copy(shape: StepShape) -> list[int]:
         if not pr.copies:
             return [0 for _ in c.layers]
-        out = []
+        out = []  # the KV loads (the stores are the compute thread's, inside attention)
         for lc in c.layers:
             load = shape.S * shape.context * lc.kv_bytes_per_ctx
-            store = shape.T * lc.kv_bytes_per_ctx
-            out.append(ns(load / r.copy_rate("h2d", load) + store / r.copy_rate("d2h", max(store, 1))))
+            out.append(ns(load / r.copy_rate("h2d", load)) if load > 0 else 0)
         return out
 
     for key in pre:
@@ -243,6 +245,7 @@ def _tables(pr: Problem, B: int) -> _Tables:
         dev_fixed=(2 * (c.max_dense_module_bytes + DENSE_SLOT_PAD) if pr.copies else 0) + TEMP_ALLOWANCE,
         dev_b_a=dev_b_a, dev_b_e=dev_b_e, dev_pre=dev_pre, dev_p=dev_p, dev_kv_dec=dev_kv_dec,
         dev_kv_pre=dev_kv_pre, dev_stage=dev_stage, host_bytes=host,
+        steal=int(round((1.0 - r.copy_overlap) * STEAL_SCALE)),
         w_dec=pr.output_tokens / B,
         w_pre={k: pr.prompt_tokens / k[0] for k in pre},
     )
@@ -365,7 +368,7 @@ def _cp_sat(pr: Problem, tb: _Tables, pre: list[tuple[int, int, int]], time_limi
                 fixed = sum(z[k] * tb.pre_copy_fixed[k][i] for k in pre)
             copy = fixed + sum((1 - rg[g]) * tb.fetch_ns[phase][g] for g in _layer_groups(tb, i))
             t = m.NewIntVar(0, T_MAX, f"t_{phase}_{i}")
-            m.Add(t >= comp)
+            m.Add(STEAL_SCALE * t >= STEAL_SCALE * comp + tb.steal * copy)  # copies steal compute
             m.Add(t >= copy)
             if 0 in y:  # no prefetch: a layer's fetches and compute do not overlap
                 m.Add(t >= comp + copy - T_MAX * (1 - y[0]))
@@ -426,7 +429,7 @@ def _evaluate(pr: Problem, tb: _Tables, ch: Choice) -> tuple[float, int, int, li
                 comp = tb.pre_comp[ch.prefill][i]
                 copy = tb.pre_copy_fixed[ch.prefill][i]
             copy += sum(tb.fetch_ns[phase][g] for g in _layer_groups(tb, i) if g not in ch.resident)
-            t = comp + copy if ch.prefetch == 0 else max(comp, copy)
+            t = comp + copy if ch.prefetch == 0 else max(comp + tb.steal * copy / STEAL_SCALE, copy)
             if phase == "decode":
                 binding.append(f"L{i} decode: {'compute+copy (no prefetch)' if ch.prefetch == 0 and copy else 'copy' if copy > comp else 'compute'}")
             total += t

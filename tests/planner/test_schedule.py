@@ -1,5 +1,6 @@
 """The step DAG: its critical path bounds every lane, overlap (prefetch) never makes a step
-slower, resident weights are never fetched, and a CPU device has no copy lane."""
+slower, resident weights are never fetched, a plan without an arena has no copy lane, and
+on a CPU the copies of an arena steal their non-overlapping share from compute."""
 
 from __future__ import annotations
 
@@ -42,10 +43,25 @@ def test_resident_weights_are_not_fetched():
     assert any(n.startswith("L0.fetch.e") for n in fetched)
 
 
-def test_cpu_device_has_no_copy_lane_and_names_its_bottleneck():
-    s = build_schedule(cost(), resolve_hardware("cpu"), SHAPE, Knobs(16, 64))
-    assert set(s.totals) == {"compute"}
-    assert s.bottleneck() in ("device compute", "attention")
+def test_no_arena_no_copy_lane_and_names_its_bottleneck():
+    for hw in ("cpu", "a5000"):
+        s = build_schedule(cost(), resolve_hardware(hw), SHAPE, Knobs(16, 64, 1, frozenset({"all"})))
+        assert set(s.totals) == {"compute"}
+        assert s.bottleneck() in ("device compute", "attention")
+
+
+def test_cpu_copies_steal_compute_by_their_non_overlapping_share():
+    """Streaming on a CPU: every copy-lane second costs (1 - copy_overlap) compute seconds;
+    the in-place KV gather moves off the compute thread onto the copy lane."""
+    hw = resolve_hardware("cpu")
+    knobs = Knobs(16, 64, 1)
+    full = build_schedule(cost(), hw, SHAPE, knobs)
+    hw.copy_overlap = 1.0
+    free = build_schedule(cost(), hw, SHAPE, knobs)
+    assert free.totals["copy"] == full.totals["copy"] > 0
+    stolen = full.totals["compute"] - free.totals["compute"]
+    assert abs(stolen - 0.5 * full.totals["copy"]) < 1e-9  # the cpu preset's overlap is 0.5
+    assert full.seconds > free.seconds
 
 
 def test_bigger_micro_batches_mean_fewer_attention_jobs():
