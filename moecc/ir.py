@@ -128,9 +128,18 @@ class ModelInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def kv_row_bytes(self) -> int:
+        """What one layer caches per token: K and V heads, or with multi-head latent attention
+        (extra["mla"]) only the compressed latent and the shared rope key."""
+        mla = self.extra.get("mla")
+        if mla:
+            return (int(mla["kv_lora_rank"]) + int(mla["qk_rope_head_dim"])) * DTYPE_BYTES[self.dtype]
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers, in the model dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        """The KV cache of one token across all layers, in the model dtype."""
+        return self.num_layers * self.kv_row_bytes
 
 
 class Graph:

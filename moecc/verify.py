@@ -31,8 +31,11 @@ def verify_graph(g: Graph) -> list[str]:
                 problems.append(f"%{n.name}: experts must take (hidden, router) as first inputs")
             if len(n.weights) != 3 * g.info.num_experts:
                 problems.append(f"%{n.name}: expected {3 * g.info.num_experts} expert weights, has {len(n.weights)}")
-        if n.op == "attention" and not {"q", "k", "v", "o"} <= set(n.weights):
+        if n.op == "attention" and n.attrs.get("variant") != "mla" and not {"q", "k", "v", "o"} <= set(n.weights):
             problems.append(f"%{n.name}: attention without q/k/v/o weights")
+        if n.op == "attention" and n.attrs.get("variant") == "mla" and not (
+                {"kv_a", "kv_b", "o"} <= set(n.weights) and ("q" in n.weights or {"q_a", "q_b"} <= set(n.weights))):
+            problems.append(f"%{n.name}: latent attention without q (or q_a, q_b), kv_a, kv_b and o weights")
         seen.add(n.name)
     if g.nodes and g.nodes[-1].op != "output":
         problems.append("graph does not end in an output node")

@@ -361,6 +361,9 @@ class Engine:
         """kv: this layer's gathered blocks for the micro-batch, [Hkv, nb, bs, D] each, gathered
         before this micro-batch ran: its new K/V go to the host pool and into the buffer."""
         a = op["attrs"]
+        if a.get("variant", "mha") != "mha":
+            raise RuntimeError(f"runtime: attention variant {a['variant']!r} (node {op['name']}) is not "
+                               f"implemented by this runtime")
         w = {k: self._w(op, k) for k in op["weights"]}
         q, k, v = kernels.attention_qkv(x, w, a, rope)  # [t, Hq, D], [t, Hkv, D] x2
         layer = a["layer_index"]

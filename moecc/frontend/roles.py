@@ -1,7 +1,7 @@
 """Decide a module's role from what it holds, not from its class name.
 
 - experts:   holds 3-D parameters (all experts of a layer stacked: [E, 2I, H], [E, H, I])
-- attention: holds q/k/v/o projections
+- attention: holds q/k/v/o projections, or MLA's (kv_a_proj_with_mqa, kv_b_proj, o_proj)
 - mlp:       holds gate/up/down projections (a dense MLP or a shared expert)
 - router:    holds one [E, H] weight and a `top_k`, returns (logits, weights, index)
 - norm:      holds one 1-D weight and an epsilon
@@ -24,6 +24,8 @@ def classify(module: nn.Module) -> str | None:
         return "experts"
     if {"q_proj", "k_proj", "v_proj", "o_proj"} <= children.keys():
         return "attention"
+    if {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= children.keys():
+        return "attention"  # multi-head latent attention (DeepSeek-V2/V3)
     if {"gate_proj", "up_proj", "down_proj"} <= children.keys():
         return "mlp"
     if not children and "weight" in params and params["weight"].dim() == 2 and hasattr(module, "top_k"):

@@ -27,16 +27,97 @@ from moecc.frontend.roles import classify, norm_eps
 from moecc.frontend.weights import WeightResolver
 from moecc.ir import Graph, ModelInfo, Node
 
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
-_ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+# compiled for planning and inspection from config.json alone; the runtime has no kernels for
+# them yet (multi-head latent attention), so a checkpoint with weights is refused
+PLAN_ONLY_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+_ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                       "deepseek_v3": "DeepseekV3ForCausalLM"}
 _STATIC_ROPE = ("default", "linear", "yarn", "llama3")
 
 
+class _MetaProxy(torch.fx.Proxy):
+    """A proxy that knows its value's meta tensor (or shape), so layer code may read shapes
+    and star-unpack them (`view(*orig_shape)`, as DeepSeek's MoE block does)."""
+
+    def __iter__(self):
+        return _iter_meta(self)
+
+    def __len__(self) -> int:
+        return _len_meta(self)
+
+    def __getattr__(self, k: str) -> "_MetaAttribute":
+        return _MetaAttribute(self, k)
+
+
+class _MetaAttribute(torch.fx.proxy.Attribute):
+    """`proxy.shape` and friends: iterable like their meta value."""
+
+    def __iter__(self):
+        return _iter_meta(self)
+
+    def __len__(self) -> int:
+        return _len_meta(self)
+
+
+def _len_meta(p: torch.fx.Proxy) -> int:
+    val = p.node.meta.get("val")
+    if val is None:
+        return torch.fx.Proxy.__len__(p)
+    return len(val.shape) if isinstance(val, torch.Tensor) else len(val)
+
+
+def _iter_meta(p: torch.fx.Proxy):
+    if p.node.meta.get("val") is None:
+        return torch.fx.Proxy.__iter__(p)
+    return iter([p[i] for i in range(_len_meta(p))])
+
+
 class _RoleTracer(torch.fx.Tracer):
-    """Modules with a moecc role (and plain nn.Linear) stay leaves."""
+    """Modules with a moecc role (and plain nn.Linear) stay leaves. Every value carries a
+    meta value (node.meta["val"]) computed alongside: leaves by their role's output shape,
+    everything else by running the op on meta tensors."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor]):
+        super().__init__()
+        self.inputs = inputs
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return classify(m) is not None or isinstance(m, nn.Linear)
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _MetaProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        try:
+            p.node.meta["val"] = self._meta(kind, target, args, kwargs)
+        except Exception:  # a value whose shape cannot be known: only reading it fails later
+            p.node.meta["val"] = None
+        return p
+
+    def _meta(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
+        def val(x: Any) -> Any:
+            return torch.fx.node.map_aggregate(
+                x, lambda v: v.node.meta.get("val") if isinstance(v, torch.fx.Proxy) else v)
+
+        a, kw = val(args), val(kwargs)
+        if kind == "placeholder":
+            return self.inputs.get(target)
+        if kind == "get_attr":
+            obj = self.root
+            for part in str(target).split("."):
+                obj = getattr(obj, part)
+            return obj
+        if kind == "call_function":
+            return target(*a, **kw)
+        if kind == "call_method":
+            return getattr(a[0], target)(*a[1:], **kw)
+        if kind == "call_module":
+            mod = self.root.get_submodule(target)
+            x = a[0] if a else next(iter(kw.values()))
+            return _leaf_meta(mod, x)
+        return None
 
 
 class _LayerCall(nn.Module):
@@ -48,6 +129,28 @@ class _LayerCall(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.layer(h, position_embeddings=(cos, sin), attention_mask=None)
+
+
+def _leaf_meta(mod: nn.Module, x: torch.Tensor) -> Any:
+    """The meta output of a leaf module for input `x`, by its role (leaves are not run:
+    experts on meta would need data-dependent shapes). Runs inside the tracer, which
+    turns parameter reads and module calls into graph nodes, so shapes come from
+    `_parameters` and plain attributes only."""
+    role = classify(mod)
+    lead = x.shape[:-1]
+    if role == "router":
+        n, E, k = x.numel() // x.shape[-1], mod._parameters["weight"].shape[0], int(mod.top_k)
+        return (torch.empty(n, E, device="meta"), torch.empty(n, k, device="meta"),
+                torch.empty(n, k, dtype=torch.long, device="meta"))
+    if role == "attention":
+        return (torch.empty(x.shape, device="meta"), None)
+    if role in ("experts", "norm"):
+        return torch.empty(x.shape, device="meta")
+    if role == "mlp":
+        return torch.empty(*lead, mod._modules["down_proj"].out_features, device="meta")
+    if isinstance(mod, nn.Linear):
+        return torch.empty(*lead, mod.out_features, device="meta")
+    return None
 
 
 def _dtype_name(dt: Any) -> str:
@@ -72,6 +175,12 @@ def load_config(ckpt: Checkpoint):
             f"{ckpt.directory}: architecture {archs[0]} is not supported yet; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if archs[0] in PLAN_ONLY_ARCHITECTURES and ckpt.has_weights:
+        runnable = [a for a in SUPPORTED_ARCHITECTURES if a not in PLAN_ONLY_ARCHITECTURES]
+        raise UnsupportedModelError(
+            f"{ckpt.directory}: architecture {archs[0]} compiles for planning only (from a directory "
+            f"holding just its config.json: `moecc compile DIR --gpu-mem ...` then `moecc explain`); "
+            f"the runtime cannot run it yet (multi-head latent attention). Runnable: {', '.join(runnable)}")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(ckpt.directory), local_files_only=True)
@@ -100,6 +209,12 @@ def _model_info(ckpt: Checkpoint, config) -> ModelInfo:
         dtypes = {loc.dtype for loc in ckpt.tensors.values()}
         if len(dtypes) == 1:
             dtype = dtypes.pop()
+    extra: dict[str, Any] = {"hidden_act": config.hidden_act,
+                             "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False))}
+    if getattr(config, "kv_lora_rank", None):
+        extra["mla"] = {k: getattr(config, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                        "qk_rope_head_dim", "v_head_dim")}
+        head_dim = config.qk_rope_head_dim  # the rotary table's width
     return ModelInfo(
         architecture=arch,
         model_type=config.model_type,
@@ -116,7 +231,7 @@ def _model_info(ckpt: Checkpoint, config) -> ModelInfo:
         bos_token_id=config.bos_token_id,
         eos_token_ids=eos_ids,
         pad_token_id=getattr(config, "pad_token_id", None),
-        extra={"hidden_act": config.hidden_act, "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False))},
+        extra=extra,
     )
 
 
@@ -183,7 +298,11 @@ def _lower_layer(g: Graph, idx: int, layer: nn.Module, prefix: str, h_in: str,
                  r: WeightResolver, info: ModelInfo) -> str:
     try:
         wrapper = _LayerCall(layer)
-        gm = torch.fx.GraphModule(wrapper, _RoleTracer().trace(wrapper))
+        rope_dim = rope_dims(layer, info)
+        T = 8  # any length: the lowering keeps rows flat ([T, H]) and drops shape ops
+        inputs = {"h": torch.empty(1, T, info.hidden_size, device="meta"),
+                  "cos": torch.empty(1, T, rope_dim, device="meta"), "sin": torch.empty(1, T, rope_dim, device="meta")}
+        gm = torch.fx.GraphModule(wrapper, _RoleTracer(inputs).trace(wrapper))
     except Exception as e:
         raise FrontendError(idx, type(layer).__name__, f"torch.fx could not trace the layer: {e}") from e
     modules = dict(gm.named_modules())
@@ -224,6 +343,13 @@ def _lower_layer(g: Graph, idx: int, layer: nn.Module, prefix: str, h_in: str,
     return out_name
 
 
+def rope_dims(layer: nn.Module, info: ModelInfo) -> int:
+    """Width of the rotary cos/sin a layer's attention takes (MLA rotates only part of a head)."""
+    attn = next((m for m in layer.modules() if classify(m) == "attention"), None)
+    rope = getattr(attn, "qk_rope_head_dim", None) if attn is not None else None
+    return int(rope or info.head_dim)
+
+
 def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torch.fx.Node,
                   tensor_input, env, r: WeightResolver, info: ModelInfo) -> _Ref:
     role = classify(mod)
@@ -240,11 +366,15 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
     if role == "router":
         E, k = mod.weight.shape[0], int(mod.top_k)
         norm = bool(getattr(mod, "norm_topk_prob", True))
+        weights = {"weight": r.tensor(f"{path}.weight", (E, H))}
+        attrs: dict[str, Any] = {"num_experts": E, "top_k": k, "scoring": "softmax", "norm_topk_prob": norm,
+                                 "weights_in_model_dtype": _router_casts_weights(mod, H)}
+        if hasattr(mod, "e_score_correction_bias"):  # DeepSeek-V3: sigmoid scores, group-limited top-k
+            weights["bias"] = r.tensor(f"{path}.e_score_correction_bias", (E,))
+            attrs.update(scoring="sigmoid", num_groups=int(mod.num_group), topk_groups=int(mod.topk_group),
+                         routed_scaling_factor=float(mod.routed_scaling_factor))
         g.add(Node(name, "router", [tensor_input(args[0], n)], role="router", layer=idx, shape=("T", k),
-                   weights={"weight": r.tensor(f"{path}.weight", (E, H))},
-                   attrs={"num_experts": E, "top_k": k, "scoring": "softmax", "norm_topk_prob": norm,
-                          "weights_in_model_dtype": _router_casts_weights(mod, H)},
-                   flops_per_token=2 * H * E, source=path))
+                   weights=weights, attrs=attrs, flops_per_token=2 * H * E, source=path))
         return _Ref("tuple", name)
     if role == "experts":
         router_name = _router_of(n, env)
@@ -315,8 +445,48 @@ def _router_of(n: torch.fx.Node, env) -> str | None:
     return r1 if r1 == r2 and (f1, f2) == (2, 1) else None
 
 
+def _lower_mla(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torch.fx.Node,
+               tensor_input, r: WeightResolver, info: ModelInfo) -> _Ref:
+    """Multi-head latent attention: the cache holds, per token and layer, the normed latent
+    (kv_lora_rank) and the shared rope key (qk_rope_head_dim); decode absorbs kv_b_proj into
+    the query and the output, so attention reads only the latent (FLOPs counted that way)."""
+    H = info.hidden_size
+    hidden = n.kwargs.get("hidden_states", n.args[0] if n.args else None)
+    m = info.extra["mla"]
+    nh, ql, kl = info.num_heads, m["q_lora_rank"], m["kv_lora_rank"]
+    nope, rope, vd = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+    qk = nope + rope
+    w = {}
+    lin = {"kv_a": ("kv_a_proj_with_mqa", (kl + rope, H)), "kv_b": ("kv_b_proj", (nh * (nope + vd), kl)),
+           "o": ("o_proj", (H, nh * vd))}
+    if ql:
+        lin.update(q_a=("q_a_proj", (ql, H)), q_b=("q_b_proj", (nh * qk, ql)))
+        w["q_a_norm"] = r.tensor(f"{path}.q_a_layernorm.weight", (ql,))
+    else:
+        lin["q"] = ("q_proj", (nh * qk, H))
+    for key, (attr, shape) in lin.items():
+        w[key] = r.tensor(f"{path}.{attr}.weight", shape)
+        if getattr(mod, attr).bias is not None:
+            w[f"{key}_bias"] = r.tensor(f"{path}.{attr}.bias", (shape[0],))
+    w["kv_a_norm"] = r.tensor(f"{path}.kv_a_layernorm.weight", (kl,))
+    attrs: dict[str, Any] = {"variant": "mla", "num_heads": nh, "q_lora_rank": ql, "kv_lora_rank": kl,
+                             "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": vd,
+                             "head_dim": rope, "num_kv_heads": 1, "scaling": float(mod.scaling),
+                             "layer_index": idx, "rope_interleave": bool(getattr(mod.config, "rope_interleave", False)),
+                             "norm_eps": norm_eps(mod.kv_a_layernorm),
+                             # absorbed decode: scores over latent + rope key, values in the latent
+                             "flops_per_ctx_token": 2 * nh * (kl + rope) + 2 * nh * kl}
+    q_flops = 2 * (H * ql + ql * nh * qk) if ql else 2 * H * nh * qk
+    flops = q_flops + 2 * H * (kl + rope) + 2 * nh * nope * kl + 2 * nh * kl * vd + 2 * nh * vd * H
+    g.add(Node(name, "attention", [tensor_input(hidden, n), "rope"], role="attention", layer=idx,
+               shape=("T", H), weights=w, attrs=attrs, flops_per_token=flops, source=path))
+    return _Ref("tuple", name)
+
+
 def _lower_attention(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torch.fx.Node,
                      tensor_input, r: WeightResolver, info: ModelInfo) -> _Ref:
+    if hasattr(mod, "kv_b_proj"):
+        return _lower_mla(g, idx, name, path, mod, n, tensor_input, r, info)
     H = info.hidden_size
     hidden = n.kwargs.get("hidden_states", n.args[0] if n.args else None)
     nq, nkv, hd = info.num_heads, info.num_kv_heads, mod.head_dim

@@ -25,7 +25,7 @@ class InsertTransfers(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         g = graph.copy()
         info = g.info
-        kv_row = 2 * info.num_kv_heads * info.head_dim * DTYPE_BYTES[info.dtype]
+        kv_row = info.kv_row_bytes
         out: list[Node] = []
         i = 0
         nodes = g.nodes
