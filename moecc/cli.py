@@ -164,6 +164,8 @@ def profile_cmd(
     dtype: list[str] = typer.Option([], "--dtype", help="Dtype of the GEMM and attention curves "
                                     "(float32, bfloat16, float16; repeatable; default float32)."),
     quick: bool = typer.Option(False, "--quick", help="Fewer, smaller measurements (seconds, not a minute)."),
+    model: list[Path] = typer.Option([], "--model", help="Also measure this checkpoint's expert MLP shape "
+                                     "(config.json's hidden and expert intermediate sizes; repeatable)."),
 ) -> None:
     """Measure this machine (GEMM, attention and copy rates) and write a hardware profile."""
     from moecc.errors import MoeccError
@@ -173,7 +175,8 @@ def profile_cmd(
     if warning:
         typer.echo(warning, err=True)
     try:
-        prof = measure(device=device, dtypes=tuple(dtype) or ("float32",), quick=quick)
+        prof = measure(device=device, dtypes=tuple(dtype) or ("float32",), quick=quick,
+                       mlp_shapes=[_mlp_shape(m) for m in model])
         prof.save(output)
     except MoeccError as e:
         _fail(str(e))
@@ -182,6 +185,21 @@ def profile_cmd(
     for line in summarize(prof):
         typer.echo(line)
     typer.echo(f"wrote {output}", err=True)
+
+
+def _mlp_shape(model_dir: Path) -> tuple[str, int, int]:
+    """(dtype, hidden, expert intermediate size) from a checkpoint's config.json."""
+    import json
+
+    from moecc.errors import MoeccError
+
+    path = model_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        return str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), int(cfg["hidden_size"]), int(inter)
+    except (OSError, ValueError, KeyError) as e:
+        raise MoeccError(f"--model {model_dir}: cannot read hidden/intermediate sizes from {path}: {e}") from e
 
 
 def main() -> None:

@@ -37,7 +37,8 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ELEM_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 SOURCES: tuple[str, ...] = ("preset", "measured", "file")
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
-CURVE_KINDS: tuple[str, ...] = ("gemm", "attention", "cpu_attention", "copy")
+CURVE_KINDS: tuple[str, ...] = ("gemm", "attention", "cpu_attention", "copy", "mlp")
+_MLP_KEY = re.compile(r"^(float32|bfloat16|float16):(\d+)x(\d+)$")
 COPY_DIRECTIONS: tuple[str, ...] = ("h2d", "d2h")
 
 # Fraction of memory bandwidth that attention over a KV cache achieves when no curve was
@@ -131,6 +132,17 @@ class HardwareProfile:
             return interpolate_log2(curve, tokens)
         intensity = 2.0 * tokens / ELEM_BYTES[dt]  # FLOP per weight byte
         return min(self.device_flops[dt], self.device_bandwidth * intensity)
+
+    def mlp_rate(self, dtype: str, tokens: float, hidden: int, inter: int) -> float:
+        """FLOP/s of one gated MLP (gate and up [I, H], down [H, I], 6*tokens*H*I FLOP, the
+        runtime's expert kernel with its activation and product) over `tokens` rows. Measured:
+        the "mlp" curve for this dtype and shape ("float32:HxI", from `moecc profile
+        --model`); otherwise gemm_rate."""
+        dt = normalize_dtype(dtype)
+        curve = self.curves.get("mlp", {}).get(f"{dt}:{int(hidden)}x{int(inter)}")
+        if curve:
+            return interpolate_log2(curve, max(1.0, float(tokens)))
+        return self.gemm_rate(dt, tokens)
 
     def attention_rate(self, dtype: str, kv_bytes: float, on_cpu: bool = False) -> float:
         """Bytes of K+V consumed per second by one attention call reading `kv_bytes` of KV
@@ -283,7 +295,10 @@ def _validate(d: Any, *, origin: str | None) -> None:
             raise bad(f"curves.{kind}", f"must be an object, got {type(per).__name__}")
         keys = COPY_DIRECTIONS if kind == "copy" else DTYPES
         for k, pts in per.items():
-            if k not in keys:
+            if kind == "mlp":
+                if not isinstance(k, str) or not _MLP_KEY.match(k):
+                    raise bad(f"curves.mlp.{k}", "must be named DTYPE:HIDDENxINTERMEDIATE, e.g. float32:4096x14336")
+            elif k not in keys:
                 raise bad(f"curves.{kind}.{k}", f"is not one of {', '.join(keys)}")
             curve(f"curves.{kind}.{k}", pts)
 

@@ -208,6 +208,52 @@ def _memory_bandwidth(torch, dev: str, nbytes: int, timer: _Timer) -> float:
     return 2.0 * nbytes / sec
 
 
+def _mlp_curve(torch, dev: str, dt, hidden: int, inter: int, s: _Settings, timer: _Timer) -> list[list[float]]:
+    """FLOP/s of the runtime's gated MLP (F.linear gate and up, SiLU, product in place,
+    F.linear down) at one model's expert shape. The weights are as the runtime holds them: on
+    a CPU, views of a memory-mapped file (4 KiB pages: measured 8% slower than anonymous
+    memory at 128 rows), on CUDA device tensors; enough copies (4x the GEMM pool) that they
+    stream from memory as a step's experts do."""
+    import mmap
+    import tempfile
+
+    import torch.nn.functional as F
+
+    elem = torch.empty((), dtype=dt).element_size()
+    per = 3 * hidden * inter * elem
+    pool = max(2, min(32, 4 * s.weight_pool_bytes // per))
+    shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
+    if dev == "cpu":
+        with tempfile.TemporaryFile(prefix="moecc-profile-") as f:
+            chunk = torch.randn(inter * hidden).to(dt)
+            for _ in range(3 * pool):
+                f.write(chunk.view(torch.uint8).numpy().tobytes())
+            f.flush()
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(m, dtype=dt)
+        n = inter * hidden
+        ws = [tuple(flat[(3 * j + i) * n:(3 * j + i + 1) * n].view(*shapes[i]) for i in range(3)) for j in range(pool)]
+    else:
+        ws = [tuple(torch.randn(*sh, device=dev).to(dt) for sh in shapes) for _ in range(pool)]
+    counter = [0]
+
+    def one(tokens: float) -> tuple[float, float]:
+        x = torch.randn(int(tokens), hidden, device=dev).to(dt)
+
+        def call():
+            counter[0] += 1
+            g, u, d = ws[counter[0] % pool]
+            h = F.silu(F.linear(x, g))
+            h.mul_(F.linear(x, u))
+            return F.linear(h, d)
+
+        sec, first = timer.per_call(call)
+        return 6.0 * tokens * hidden * inter / sec, first
+
+    tokens = sorted(set(s.gemm_tokens) | {2 ** k for k in range(0, 13) if s.gemm_tokens[0] <= 2 ** k <= s.gemm_tokens[-1]})
+    return _curve(tokens, one, s.slow_call_s)
+
+
 def _host_copy_curve(torch, s: _Settings) -> list[list[float]]:
     """Bytes/s of the CPU copy engine's transfer: ctypes.memmove (one thread, the GIL
     released) on a worker thread, from a rotating source pool larger than the caches."""
@@ -325,7 +371,8 @@ def _scaled(base: dict[str, float], measured: dict[str, float]) -> dict[str, flo
     return {dt: measured.get(dt, base[dt] * factor) for dt in base}
 
 
-def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: bool = False) -> HardwareProfile:
+def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: bool = False,
+            mlp_shapes: Sequence[tuple[str, int, int]] = ()) -> HardwareProfile:
     """Measure this machine; returns a profile with source "measured" and every curve
     filled (positive, finite rates; sizes increasing).
 
@@ -336,6 +383,8 @@ def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: b
     preset float32). On CPU, cpu_flops = device_flops and cpu_attention = attention; on
     CUDA, cpu_flops comes from one CPU float32 GEMM point scaled by the preset's dtype ratios.
     `quick`: smaller sizes and fewer points (a few seconds on 2 cores, for tests).
+    `mlp_shapes`: (dtype, hidden, intermediate) of models whose expert MLP is also measured
+    as a whole (the "mlp" curves; `moecc profile --model DIR`).
     Raises HardwareError for an unknown device or dtype, or "cuda" without a CUDA device.
     """
     import torch
@@ -356,6 +405,8 @@ def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: b
 
     with torch.inference_mode():
         gemm = {dt: _gemm_curve(torch, device, getattr(torch, dt), s, timer) for dt in names}
+        mlp = {f"{normalize_dtype(dt)}:{h}x{i}": _mlp_curve(torch, device, getattr(torch, normalize_dtype(dt)), h, i,
+                                                            s, timer) for dt, h, i in mlp_shapes}
         attention = {dt: _attention_curve(torch, device, getattr(torch, dt), s, timer) for dt in names}
         if cuda:
             cpu_attention = {dt: _attention_curve(torch, "cpu", getattr(torch, dt), cs, host_timer)
@@ -393,6 +444,7 @@ def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: b
         "attention": {dt: p for dt, p in attention.items() if p},
         "cpu_attention": {dt: p for dt, p in cpu_attention.items() if p},
         "copy": {k: p for k, p in (("h2d", h2d), ("d2h", d2h)) if p},
+        "mlp": {k: p for k, p in mlp.items() if p},
     }
     return HardwareProfile(
         name=f"measured-{device}" + ("-quick" if quick else ""), source="measured", device_kind=device,

@@ -227,6 +227,7 @@ def _broken(edit) -> dict:
     (lambda d: d.__setitem__("curves", {"copy": {"d2d": [[1, 1]]}}), "curves.copy.d2d"),
     (lambda d: d.__setitem__("curves", {"roofline": {}}), "curves.roofline"),
     (lambda d: d.__setitem__("copy_overlap", 1.5), "copy_overlap"),
+    (lambda d: d.__setitem__("curves", {"mlp": {"float32": [[1, 1]]}}), "curves.mlp.float32"),
     (lambda d: d.__setitem__("copy_overlap", "half"), "copy_overlap"),
 ])
 def test_from_json_names_the_field(edit, field):
@@ -297,3 +298,31 @@ def test_profile_cli_rejects_bad_dtype_and_device(tmp_path):
     r = CliRunner().invoke(app, ["profile", "--quick", "--device", "tpu", "-o", str(tmp_path / "x.json")])
     assert r.exit_code == 1 and "--device" in r.output
     assert not (tmp_path / "x.json").exists()
+
+
+def test_mlp_rate_uses_the_curve_of_its_shape_else_gemm():
+    p = HardwareProfile.from_json({**PRESETS["cpu"].to_json(),
+                                   "curves": {"mlp": {"float32:64x128": [[1, 1e9], [256, 4e10]]}}})
+    assert p.mlp_rate("float32", 256, 64, 128) == 4e10
+    assert p.mlp_rate("fp32", 16, 64, 128) == p.mlp_rate("float32", 16, 64, 128) < 4e10
+    assert p.mlp_rate("float32", 256, 64, 256) == p.gemm_rate("float32", 256)  # another shape
+
+
+def test_profile_model_option_measures_its_expert_shape(tmp_path):
+    from typer.testing import CliRunner
+
+    from moecc.cli import app
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 256,
+                                                   "moe_intermediate_size": 96, "torch_dtype": "float32"}))
+    out = tmp_path / "hw.json"
+    result = CliRunner().invoke(app, ["profile", "--quick", "--device", "cpu", "--model", str(model), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    p = resolve_hardware(str(out))
+    pts = p.curves["mlp"]["float32:64x96"]
+    assert len(pts) >= 3 and all(r > 0 for _, r in pts)
+    assert p.mlp_rate("float32", pts[-1][0], 64, 96) == pts[-1][1]
+    bad = CliRunner().invoke(app, ["profile", "--quick", "--model", str(tmp_path / "nope"), "-o", str(out)])
+    assert bad.exit_code != 0 and "cannot read hidden/intermediate sizes" in bad.output

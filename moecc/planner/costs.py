@@ -23,6 +23,7 @@ class LayerCost:
     router_flops: int = 0  # per token
     expert_bytes: int = 0  # one expert's weights
     expert_flops: int = 0  # per (token, chosen expert)
+    expert_inter: int = 0  # an expert's intermediate size (its MLP shape is [H, expert_inter])
     num_experts: int = 0
     top_k: int = 0
     dense_bytes: int = 0  # dense MLP / shared expert weights and the MoE module's norms
@@ -94,6 +95,7 @@ def model_cost(graph: Graph) -> ModelCost:
             lc.num_experts, lc.top_k = E, k
             lc.expert_bytes = n.weight_bytes // E
             lc.expert_flops = n.flops_per_token // k
+            lc.expert_inter = int(n.attrs["intermediate_size"])
             inter = max(inter, int(n.attrs["intermediate_size"]))
         elif n.op in ("mlp",):
             lc.dense_bytes += n.weight_bytes

@@ -35,6 +35,8 @@ class Rates(Protocol):
 
     def gemm_rate(self, dtype: str, tokens: int) -> float: ...
 
+    def mlp_rate(self, dtype: str, tokens: float, hidden: int, inter: int) -> float: ...
+
     def attention_rate(self, dtype: str, kv_bytes: float, on_cpu: bool = False) -> float: ...
 
     def copy_rate(self, direction: str, nbytes: float) -> float: ...
@@ -101,27 +103,41 @@ class Schedule:
         return max(by_kind, key=by_kind.get) if by_kind else "none"
 
 
-def gemm_seconds(rates: Rates, dtype: str, flops_per_row: float, rows: float, chunk: int) -> float:
-    """Rows in chunks of at most `chunk`, each chunk at the rate for its row count."""
+def gemm_seconds(rates: Rates, dtype: str, flops_per_row: float, rows: float, chunk: int,
+                 mlp: tuple[int, int] | None = None) -> float:
+    """Rows in chunks of at most `chunk`, each chunk at the rate for its row count (a gated
+    MLP of shape `mlp` = (H, I) at the measured rate of that block, when profiled)."""
     if rows <= 0 or flops_per_row <= 0:
         return 0.0
+
+    def rate(t: float) -> float:
+        return rates.mlp_rate(dtype, t, *mlp) if mlp else rates.gemm_rate(dtype, int(t))
+
     full, rest = divmod(rows, chunk)
     t = 0.0
     if full:
-        t += full * (chunk * flops_per_row / rates.gemm_rate(dtype, int(chunk)) + OP_OVERHEAD_S)
+        t += full * (chunk * flops_per_row / rate(chunk) + OP_OVERHEAD_S)
     if rest > 0:
-        t += rest * flops_per_row / rates.gemm_rate(dtype, max(1, int(round(rest)))) + OP_OVERHEAD_S
+        t += rest * flops_per_row / rate(max(1, int(round(rest)))) + OP_OVERHEAD_S
     return t
 
 
-def expert_seconds(rates: Rates, dtype: str, flops_per_row: float, n: float, chunk: int) -> float:
+def expert_seconds(rates: Rates, dtype: str, flops_per_row: float, n: float, chunk: int,
+                   mlp: tuple[int, int] | None = None) -> float:
     """One expert over its tokens in chunks. Routing is never exactly even: an expert's load
     spreads about n +- sqrt(n), so the cost is averaged over n - sqrt(n) and n + sqrt(n)
     (a chunk size just at the mean pays for a second, small chunk half the time)."""
     spread = math.sqrt(max(n, 0.0))
     lo, hi = max(n - spread, min(n, 1.0)), n + spread
-    return 0.5 * (gemm_seconds(rates, dtype, flops_per_row, lo, chunk) + gemm_seconds(rates, dtype, flops_per_row, hi,
-                                                                                       chunk)) * n / ((lo + hi) / 2)
+    return 0.5 * (gemm_seconds(rates, dtype, flops_per_row, lo, chunk, mlp)
+                  + gemm_seconds(rates, dtype, flops_per_row, hi, chunk, mlp)) * n / ((lo + hi) / 2)
+
+
+def mlp_shape(lc: LayerCost, rates: Rates) -> tuple[int, int] | None:
+    """(H, I) of the layer's experts, from their FLOPs (6 H I per row) and intermediate size."""
+    if not lc.expert_inter:
+        return None
+    return (lc.expert_flops // (6 * lc.expert_inter), lc.expert_inter)
 
 
 def experts_in_use(lc: LayerCost, T: float) -> float:
@@ -160,7 +176,8 @@ def ffn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, b_e: in
     if lc.moe:
         used = experts_in_use(lc, T)
         per_expert = T * lc.top_k / max(used, 1e-9)
-        return t + used * (expert_seconds(rates, dtype, lc.expert_flops, per_expert, b_e) + 8 * OP_OVERHEAD_S)
+        return t + used * (expert_seconds(rates, dtype, lc.expert_flops, per_expert, b_e, mlp_shape(lc, rates))
+                           + 8 * OP_OVERHEAD_S)
     return t + gemm_seconds(rates, dtype, lc.dense_flops, T, b_e)
 
 
@@ -234,7 +251,8 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
                     back = e - knobs.prefetch - 1
                     fetch = add(f"L{i}.fetch.e{e}", "copy", share * copy(lc.expert_bytes), "fetch",
                                 [computes[back] if back >= 0 else prev], i)
-                t = share * expert_seconds(rates, dt, lc.expert_flops, per_expert, knobs.b_e) + share * 8 * OP_OVERHEAD_S
+                t = share * expert_seconds(rates, dt, lc.expert_flops, per_expert, knobs.b_e,
+                                           mlp_shape(lc, rates)) + share * 8 * OP_OVERHEAD_S
                 computes.append(add(f"L{i}.expert.{e}", "compute", t + stolen(fetch), "gemm", [prev, fetch], i))
             prev = computes[-1]
         else:
