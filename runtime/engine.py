@@ -34,7 +34,7 @@ from moecc_runtime import kernels
 from moecc_runtime.arena import DeviceArena, Region, align
 from moecc_runtime.copy_engine import CopyEngine
 from moecc_runtime.kv import PagedKVCache
-from moecc_runtime.streaming import InPlaceWeights, KVStaging, StreamedWeights, _Copier
+from moecc_runtime.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
 from moecc_runtime.weights import TORCH_DTYPES, WeightStore
 
 TRANSFER_OPS = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
@@ -149,7 +149,7 @@ class Engine:
         kv_bytes = KVStaging.region_bytes(self.kv, cap_blocks)
         self.arena = DeviceArena(int(lay["bytes"]), self.device)
         self.copy = CopyEngine(self.device)
-        copier = _Copier(self.device, max(int(lay["dense_slot_bytes"]), int(lay["expert_slot_bytes"]), kv_bytes // 2))
+        copier = Copier(self.device, max(int(lay["dense_slot_bytes"]), int(lay["expert_slot_bytes"]), kv_bytes // 2))
         self.weights = StreamedWeights(self.plan, self.store, self.arena, self.copy, copier)
         self.kv_staging = KVStaging(self.kv, self.device, self.copy, self.arena.region("kv_buffers", kv_bytes),
                                     cap_blocks, copier.staging)

@@ -108,7 +108,7 @@ class _SlotPool:
         self._free.remove(s)
 
 
-class _Copier:
+class Copier:
     """Host tensors into arena views, on the copy engine's thread. On CUDA through a pinned
     staging buffer (one transfer per unit); on a CPU a plain memmove (single-threaded, the
     GIL released), so page faults on the mmap land on the copy thread, not on compute."""
@@ -140,7 +140,7 @@ class StreamedWeights:
     """Weights through the arena (see the module docstring)."""
 
     def __init__(self, plan: dict, store: WeightStore, arena: DeviceArena, engine: CopyEngine,
-                 copier: _Copier):
+                 copier: Copier):
         lay = plan["arena"]
         self.store, self.arena, self.engine, self.copier = store, arena, engine, copier
         self.schedule = plan["schedule"]
@@ -410,4 +410,4 @@ class KVStaging:
                 b.key, b.ticket = None, None
 
 
-__all__ = ["ALIGN", "InPlaceWeights", "StreamedWeights", "KVStaging", "module_group", "_Copier"]
+__all__ = ["ALIGN", "Copier", "InPlaceWeights", "KVStaging", "StreamedWeights", "module_group"]
