@@ -30,7 +30,8 @@ TEXTS = [
 def _reference_model(family: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
     """The in-memory model write_checkpoint should have saved."""
     config = ck.tiny_config(family, **overrides)
-    cls = transformers.MixtralForCausalLM if family == "mixtral" else transformers.Qwen3MoeForCausalLM
+    cls = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+           "qwen2_moe": transformers.Qwen2MoeForCausalLM}[family]
     torch.manual_seed(seed)
     return cls(config).eval()
 

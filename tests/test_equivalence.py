@@ -16,7 +16,8 @@ from moecc_runtime.engine import Engine
 from moecc_runtime.generate import GenRequest, generate
 
 NEW_TOKENS = 10
-CASES = [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen3_moe", "per_expert"), ("qwen3_moe", "fused")]
+CASES = [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen3_moe", "per_expert"), ("qwen3_moe", "fused"),
+         ("qwen2_moe", "per_expert"), ("qwen2_moe", "fused")]
 
 
 def _prompts(n: int = 18) -> list[str]:

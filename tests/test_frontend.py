@@ -37,7 +37,7 @@ def test_roles_come_from_what_modules_hold():
     assert classify(nn.Linear(2, 2)) is None
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_graph_is_the_same_for_both_layouts(family, checkpoints):
     g1, _ = build_graph(checkpoints(family, "per_expert"))
     g2, _ = build_graph(checkpoints(family, "fused"))
@@ -117,3 +117,18 @@ def test_missing_tensor_is_named(checkpoints, tmp_path):
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model.layers.1.self_attn.k_proj.weight is missing"):
         build_graph(d)
+
+
+def test_qwen2_moe_shared_expert_gate_is_lowered_from_transformers_glue(checkpoints):
+    """Qwen2-MoE: the shared expert's sigmoid gate (a [1, H] linear) and the product come from
+    transformers' own layer code; top-k weights are not renormalised (norm_topk_prob false)."""
+    g, _ = build_graph(checkpoints("qwen2_moe", "per_expert"))
+    moe_layers = [0, 2]  # mlp_only_layers=[1]
+    for i in moe_layers:
+        ops = [n.op for n in g.nodes if n.layer == i]
+        assert ops.count("mlp") == 1 and "sigmoid" in ops and "mul" in ops and "linear" in ops, ops
+        gate = next(n for n in g.nodes if n.layer == i and n.op == "linear")
+        assert gate.shape == ("T", 1) and gate.weights["weight"].tensor.endswith("shared_expert_gate.weight")
+        router = next(n for n in g.nodes if n.layer == i and n.op == "router")
+        assert router.attrs["norm_topk_prob"] is False
+    assert [n.op for n in g.nodes if n.layer == 1].count("mlp") == 1

@@ -27,11 +27,13 @@ from moecc.frontend.roles import classify, norm_eps
 from moecc.frontend.weights import WeightResolver
 from moecc.ir import Graph, ModelInfo, Node
 
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+                           "DeepseekV3ForCausalLM")
 # compiled for planning and inspection from config.json alone; the runtime has no kernels for
 # them yet (multi-head latent attention), so a checkpoint with weights is refused
 PLAN_ONLY_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 _ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                       "qwen2_moe": "Qwen2MoeForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM"}
 _STATIC_ROPE = ("default", "linear", "yarn", "llama3")
 

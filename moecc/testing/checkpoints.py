@@ -7,7 +7,7 @@ same arguments twice produces byte-identical files.
 
 Command line::
 
-    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe]
+    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|qwen2_moe]
         [--layout per_expert|fused] [--seed N] [--dtype float32]
         [--preset demo] [--set key=value ...]
 """
@@ -42,7 +42,7 @@ __all__ = [
     "main",
 ]
 
-FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
+FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe")
 LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -98,6 +98,23 @@ _TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "initializer_range": 0.1,
         "tie_word_embeddings": False,
     },
+    # a shared expert gated by a sigmoid, q/k/v biases, top-k weights not renormalised
+    "qwen2_moe": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80,
+        "num_hidden_layers": 3,
+        "mlp_only_layers": [1],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    },
 }
 
 #: Named presets for the command line: ``name -> (family, config overrides)``.
@@ -143,6 +160,8 @@ def _config_class(family: str) -> type[transformers.PretrainedConfig]:
         return transformers.MixtralConfig
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -151,6 +170,8 @@ def _model_class(family: str) -> type[transformers.PreTrainedModel]:
         return transformers.MixtralForCausalLM
     if family == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeForCausalLM
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
