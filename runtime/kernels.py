@@ -55,10 +55,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: torch.Tensor):
     """Project, q/k-norm and rotate one micro-batch's tokens: q [T, Hq, D], k/v [T, Hkv, D]."""
     D, Hq, Hkv = a["head_dim"], a["num_heads"], a["num_kv_heads"]
-    q = linear(x, w["q"], w.get("q_bias")).view(-1, Hq, D)
-    k = linear(x, w["k"], w.get("k_bias")).view(-1, Hkv, D)
-    v = linear(x, w["v"], w.get("v_bias")).view(-1, Hkv, D)
-    if "q_norm" in w:
+    q = linear(x, w["q"], w.get("q_bias"))  # [T, Hq*D]
+    k = linear(x, w["k"], w.get("k_bias"))  # [T, Hkv*D]
+    v = linear(x, w["v"], w.get("v_bias"))
+    full = a.get("qk_norm") == "full"  # OLMoE: over the whole projection, before the head split
+    if "q_norm" in w and full:
+        q = rmsnorm(q, w["q_norm"], a["qk_norm_eps"])
+        k = rmsnorm(k, w["k_norm"], a["qk_norm_eps"])
+    if "clip_qkv" in a:
+        c = a["clip_qkv"]
+        q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+    q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
+    if "q_norm" in w and not full:  # Qwen3: per head
         q = rmsnorm(q, w["q_norm"], a["qk_norm_eps"])
         k = rmsnorm(k, w["k_norm"], a["qk_norm_eps"])
     cos, sin = rope[:, :D], rope[:, D:]

@@ -31,7 +31,7 @@ def _reference_model(family: str, seed: int = 0, **overrides: object) -> transfo
     """The in-memory model write_checkpoint should have saved."""
     config = ck.tiny_config(family, **overrides)
     cls = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-           "qwen2_moe": transformers.Qwen2MoeForCausalLM}[family]
+           "qwen2_moe": transformers.Qwen2MoeForCausalLM, "olmoe": transformers.OlmoeForCausalLM}[family]
     torch.manual_seed(seed)
     return cls(config).eval()
 
@@ -79,7 +79,7 @@ def test_round_trip(tmp_path: Path, family: str, layout: str) -> None:
     keys = _safetensors_keys(out / "model.safetensors")
     cfg = reference.config
     experts = cfg.num_local_experts if family == "mixtral" else cfg.num_experts
-    inter = cfg.intermediate_size if family == "mixtral" else cfg.moe_intermediate_size
+    inter = cfg.intermediate_size if family in ("mixtral", "olmoe") else cfg.moe_intermediate_size
     if layout == "fused":
         assert keys["model.layers.0.mlp.experts.gate_up_proj"] == [experts, 2 * inter, cfg.hidden_size]
         assert keys["model.layers.0.mlp.experts.down_proj"] == [experts, cfg.hidden_size, inter]
@@ -90,9 +90,9 @@ def test_round_trip(tmp_path: Path, family: str, layout: str) -> None:
     else:
         assert keys["model.layers.0.mlp.experts.3.gate_proj.weight"] == [inter, cfg.hidden_size]
         assert keys["model.layers.0.mlp.experts.3.down_proj.weight"] == [cfg.hidden_size, inter]
-        # mlp_only_layers=[1]: layer 1 is a dense MLP.
-        assert keys["model.layers.1.mlp.gate_proj.weight"] == [cfg.intermediate_size, cfg.hidden_size]
-        assert not any(k.startswith("model.layers.1.mlp.experts") for k in keys)
+        if family != "olmoe":  # mlp_only_layers=[1]: layer 1 is a dense MLP.
+            assert keys["model.layers.1.mlp.gate_proj.weight"] == [cfg.intermediate_size, cfg.hidden_size]
+            assert not any(k.startswith("model.layers.1.mlp.experts") for k in keys)
 
 
 @pytest.mark.parametrize("layout", ck.LAYOUTS)

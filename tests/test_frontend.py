@@ -37,7 +37,7 @@ def test_roles_come_from_what_modules_hold():
     assert classify(nn.Linear(2, 2)) is None
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
 def test_graph_is_the_same_for_both_layouts(family, checkpoints):
     g1, _ = build_graph(checkpoints(family, "per_expert"))
     g2, _ = build_graph(checkpoints(family, "fused"))
@@ -132,3 +132,14 @@ def test_qwen2_moe_shared_expert_gate_is_lowered_from_transformers_glue(checkpoi
         router = next(n for n in g.nodes if n.layer == i and n.op == "router")
         assert router.attrs["norm_topk_prob"] is False
     assert [n.op for n in g.nodes if n.layer == 1].count("mlp") == 1
+
+
+def test_olmoe_qk_norm_over_the_whole_projection(checkpoints):
+    g, _ = build_graph(checkpoints("olmoe", "per_expert"))
+    a = next(n for n in g.nodes if n.op == "attention")
+    i = g.info
+    assert a.attrs["qk_norm"] == "full" and a.attrs["clip_qkv"] == 0.5
+    assert a.weights["q_norm"].shape == (i.num_heads * i.head_dim,)
+    assert a.weights["k_norm"].shape == (i.num_kv_heads * i.head_dim,)
+    q3 = next(n for n in build_graph(checkpoints("qwen3_moe", "per_expert"))[0].nodes if n.op == "attention")
+    assert q3.attrs["qk_norm"] == "head" and "clip_qkv" not in q3.attrs

@@ -28,12 +28,12 @@ from moecc.frontend.weights import WeightResolver
 from moecc.ir import Graph, ModelInfo, Node
 
 SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                           "DeepseekV3ForCausalLM")
+                           "OlmoeForCausalLM", "DeepseekV3ForCausalLM")
 # compiled for planning and inspection from config.json alone; the runtime has no kernels for
 # them yet (multi-head latent attention), so a checkpoint with weights is refused
 PLAN_ONLY_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 _ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                       "qwen2_moe": "Qwen2MoeForCausalLM",
+                       "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM"}
 _STATIC_ROPE = ("default", "linear", "yarn", "llama3")
 
@@ -501,13 +501,19 @@ def _lower_attention(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n
     attrs: dict[str, Any] = {"num_heads": nq, "num_kv_heads": nkv, "head_dim": hd,
                              "scaling": float(mod.scaling), "layer_index": idx,
                              "flops_per_ctx_token": 4 * nq * hd}
-    for qk in ("q_norm", "k_norm"):
+    for qk, heads in (("q_norm", nq), ("k_norm", nkv)):
         sub = getattr(mod, qk, None)
-        if sub is not None:
-            if classify(sub) != "norm" or sub.weight.shape[0] != hd:
-                raise UnsupportedModelError(f"{path}.{qk}: only per-head RMS q/k norms are supported")
-            w[qk] = r.tensor(f"{path}.{qk}.weight", (hd,))
+        if sub is not None:  # per head (Qwen3) or over the whole projection (OLMoE)
+            width = sub.weight.shape[0] if classify(sub) == "norm" else None
+            if width not in (hd, heads * hd):
+                raise UnsupportedModelError(f"{path}.{qk}: only RMS q/k norms per head ({hd}) or over the whole "
+                                            f"projection ({heads * hd}) are supported, not {type(sub).__name__}")
+            w[qk] = r.tensor(f"{path}.{qk}.weight", (width,))
             attrs["qk_norm_eps"] = norm_eps(sub)
+            attrs["qk_norm"] = "head" if width == hd else "full"
+    clip = getattr(mod.config, "clip_qkv", None)
+    if clip is not None:
+        attrs["clip_qkv"] = float(clip)
     window = getattr(mod, "sliding_window", None) or getattr(mod.config, "sliding_window", None)
     if window:
         attrs["sliding_window"] = int(window)

@@ -7,7 +7,7 @@ same arguments twice produces byte-identical files.
 
 Command line::
 
-    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|qwen2_moe]
+    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|qwen2_moe|olmoe]
         [--layout per_expert|fused] [--seed N] [--dtype float32]
         [--preset demo] [--set key=value ...]
 """
@@ -42,7 +42,7 @@ __all__ = [
     "main",
 ]
 
-FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe")
+FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -115,6 +115,21 @@ _TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "initializer_range": 0.1,
         "tie_word_embeddings": False,
     },
+    # q/k RMS norms over the whole projection (not per head), q/k/v clipping
+    "olmoe": {
+        "hidden_size": 64,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "clip_qkv": 0.5,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    },
 }
 
 #: Named presets for the command line: ``name -> (family, config overrides)``.
@@ -162,6 +177,8 @@ def _config_class(family: str) -> type[transformers.PretrainedConfig]:
         return transformers.Qwen3MoeConfig
     if family == "qwen2_moe":
         return transformers.Qwen2MoeConfig
+    if family == "olmoe":
+        return transformers.OlmoeConfig
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -172,6 +189,8 @@ def _model_class(family: str) -> type[transformers.PreTrainedModel]:
         return transformers.Qwen3MoeForCausalLM
     if family == "qwen2_moe":
         return transformers.Qwen2MoeForCausalLM
+    if family == "olmoe":
+        return transformers.OlmoeForCausalLM
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
