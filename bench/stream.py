@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,27 +34,17 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from throughput import build_model, write_prompts  # noqa: E402
+from throughput import build_model, compile_and_exec, steady_decode, write_prompts  # noqa: E402
 
 
 def run_plan(name: str, model: Path, prompts: Path, work: Path, gpu_mem: int, prompt_tokens: float,
              out_tokens: int, max_batch: int) -> dict[str, Any]:
-    plan = work / f"plan-{name}.pt"
-    moecc = [sys.executable, "-m", "moecc.cli"]
-    subprocess.run(moecc + ["compile", str(model), "-o", str(plan), "--gpu-mem", str(gpu_mem),
-                            "--prompt-tokens", str(int(prompt_tokens)), "--output-tokens", str(out_tokens),
-                            "--max-batch", str(max_batch)], check=True, stdout=subprocess.DEVNULL)
+    plan, s, wall, results = compile_and_exec(model, prompts, work, name, [
+        "--gpu-mem", str(gpu_mem), "--prompt-tokens", str(int(prompt_tokens)), "--output-tokens", str(out_tokens),
+        "--max-batch", str(max_batch)])
     p = torch.load(plan, weights_only=True)
-    stats, results = work / f"stats-{name}.json", work / f"results-{name}.jsonl"
-    t0 = time.perf_counter()
-    subprocess.run(moecc + ["exec", str(plan), str(prompts), "-o", str(results), "--stats", str(stats),
-                            "--device", "cpu"], check=True)
-    wall = time.perf_counter() - t0
-    s = json.loads(stats.read_text())
     eng = s["engine"]
-    recs = eng["records"]
-    peak_batch = max(r["sequences"] for r in recs)
-    steady = [r for r in recs if r["prefill_tokens"] == 0 and r["sequences"] >= 0.9 * peak_batch]
+    steady = steady_decode(eng["records"])
     copy_s = sum(r["copy_seconds"] for r in steady)
     wait_s = sum(r["wait_seconds"] for r in steady)
     tokens = {}
@@ -84,7 +73,7 @@ def run_plan(name: str, model: Path, prompts: Path, work: Path, gpu_mem: int, pr
         "overlap_efficiency": eng["overlap_efficiency"],
         "steady_copy_s": copy_s,
         "steady_wait_s": wait_s,
-        "steady_overlap_efficiency": 1 - wait_s / copy_s if copy_s > 0 else None,
+        "steady_overlap_efficiency": max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
         "_tokens": tokens,
     }
 

@@ -128,22 +128,35 @@ def attention_flops_per_token(info: dict[str, Any], mean_context: float) -> floa
 
 # -- moecc ---------------------------------------------------------------------------------
 
-def run_moecc(model: Path, prompts: Path, work: Path, prompt_tokens: int, out_tokens: int,
-              max_batch: int) -> dict[str, Any]:
-    plan = work / "plan.pt"
+def compile_and_exec(model: Path, prompts: Path, work: Path, name: str, compile_args: list[str]
+                     ) -> tuple[Path, dict[str, Any], float, Path]:
+    """`moecc compile` then `moecc exec --stats` as subprocesses: (plan, stats, exec wall
+    seconds, results file)."""
+    plan = work / f"plan-{name}.pt"
     moecc = [sys.executable, "-m", "moecc.cli"]
-    subprocess.run(moecc + ["compile", str(model), "-o", str(plan), "--prompt-tokens", str(prompt_tokens),
-                            "--output-tokens", str(out_tokens), "--max-batch", str(max_batch)], check=True)
-    stats, results = work / "stats.json", work / "results.jsonl"
+    subprocess.run(moecc + ["compile", str(model), "-o", str(plan)] + compile_args, check=True,
+                   stdout=subprocess.DEVNULL)
+    stats, results = work / f"stats-{name}.json", work / f"results-{name}.jsonl"
     t0 = time.perf_counter()
     subprocess.run(moecc + ["exec", str(plan), str(prompts), "-o", str(results), "--stats", str(stats),
                             "--device", "cpu"], check=True)
-    wall = time.perf_counter() - t0
-    s = json.loads(stats.read_text())
+    return plan, json.loads(stats.read_text()), time.perf_counter() - t0, results
+
+
+def steady_decode(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Steps without prefill with the batch at >= 90% of its peak."""
+    peak_batch = max(r["sequences"] for r in recs)
+    return [r for r in recs if r["prefill_tokens"] == 0 and r["sequences"] >= 0.9 * peak_batch]
+
+
+def run_moecc(model: Path, prompts: Path, work: Path, prompt_tokens: int, out_tokens: int,
+              max_batch: int) -> dict[str, Any]:
+    plan, s, wall, _ = compile_and_exec(model, prompts, work, "moecc", [
+        "--prompt-tokens", str(prompt_tokens), "--output-tokens", str(out_tokens), "--max-batch", str(max_batch)])
     eng = s["engine"]
     recs = eng["records"]
     peak_batch = max(r["sequences"] for r in recs)
-    steady = [r for r in recs if r["prefill_tokens"] == 0 and r["sequences"] >= 0.9 * peak_batch]
+    steady = steady_decode(recs)
     peak = max(recs, key=lambda r: r["kv_allocated_bytes"])
     busy = [r for r in recs if r["sequences"] >= 0.1 * peak_batch and r["kv_live_bytes"] > 0]
     return {
