@@ -328,7 +328,8 @@ class Engine:
             assert mb is not None and kv is not None, f"attention node {op['name']} outside an attention module"
             return self._attention(op, x[0], x[1], mb, kv)
         if kind == "router":
-            return kernels.route(x[0], self._w(op, "weight"), a)
+            return kernels.route(x[0], self._w(op, "weight"), a,
+                                 self._w(op, "bias") if "bias" in op["weights"] else None)
         if kind == "experts":
             top_w, top_i = x[1]
             out, used = kernels.experts(x[0], top_w, top_i, lambda es: self.weights.experts(op, es),

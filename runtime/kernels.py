@@ -97,9 +97,13 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start:
     return out[0].transpose(0, 1).reshape(n, -1)
 
 
-def route(x: torch.Tensor, w: torch.Tensor, a: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, w: torch.Tensor, a: dict, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing. x: [T, H], w: [E, H] -> weights [T, k] (fp32, or the model dtype
-    where the model's router returns that), index [T, k]."""
+    where the model's router returns that), index [T, k]. `a["scoring"]` "sigmoid" is
+    DeepSeek-V3's: see route_grouped."""
+    if a.get("scoring", "softmax") == "sigmoid":
+        return route_grouped(x, w, a, bias)
     logits = linear(x, w)  # [T, E]
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     top_w, top_i = torch.topk(probs, a["top_k"], dim=-1)  # [T, k]
@@ -108,6 +112,26 @@ def route(x: torch.Tensor, w: torch.Tensor, a: dict) -> tuple[torch.Tensor, torc
     if a.get("weights_in_model_dtype", False):
         top_w = top_w.to(x.dtype)
     return top_w, top_i
+
+
+def route_grouped(x: torch.Tensor, w: torch.Tensor, a: dict, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing, in fp32: sigmoid scores; choice scores = scores + correction bias;
+    experts in G groups, a group scored by the sum of its best two choice scores; only the
+    top `topk_groups` groups compete; top-k by choice score, weighted by the plain score,
+    renormalised (norm_topk_prob) and scaled by routed_scaling_factor.
+    x: [T, H]  w: [E, H]  bias: [E] -> weights [T, k] fp32, index [T, k]."""
+    T = x.shape[0]
+    E, G = w.shape[0], int(a["num_groups"])
+    scores = F.linear(x.float(), w.float()).sigmoid()  # [T, E]
+    choice = scores + bias.float() if bias is not None else scores  # [T, E]
+    group = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    keep = torch.zeros_like(group).scatter_(1, torch.topk(group, int(a["topk_groups"]), dim=-1)[1], 1.0)  # [T, G]
+    allowed = keep.unsqueeze(-1).expand(T, G, E // G).reshape(T, E).bool()  # [T, E]
+    top_i = torch.topk(choice.masked_fill(~allowed, float("-inf")), a["top_k"], dim=-1)[1]  # [T, k]
+    top_w = scores.gather(1, top_i)  # [T, k]
+    if a.get("norm_topk_prob", True):
+        top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+    return top_w * float(a.get("routed_scaling_factor", 1.0)), top_i
 
 
 def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
