@@ -126,8 +126,13 @@ class Engine:
         seq_len = int(plan["batch"]["workload"]["seq_len"])
         nb = int(kv_blocks or kv_plan.get("num_blocks") or int(batch["B"]) * -(-seq_len // bs))
         i = self.info
-        self.kv = PagedKVCache(i["num_layers"], i["num_kv_heads"], i["head_dim"], block_size=bs,
-                               num_blocks=nb, dtype=self.dtype, device="cpu")
+        mla = i.get("extra", {}).get("mla")
+        if mla:  # latent attention caches one "head": the latent and the rope key, no V
+            hkv, dk, dv = 1, int(mla["kv_lora_rank"]) + int(mla["qk_rope_head_dim"]), 0
+        else:
+            hkv, dk, dv = i["num_kv_heads"], i["head_dim"], i["head_dim"]
+        self.kv = PagedKVCache(i["num_layers"], hkv, dk, block_size=bs, num_blocks=nb, dtype=self.dtype,
+                               device="cpu", v_head_dim=dv)
         self._host_bufs: dict[str, torch.Tensor] = {}  # host buffer storage by value name, reused
         self.stats = EngineStats(records=[] if record_steps else None)
         self._step_no = 0
@@ -359,36 +364,49 @@ class Engine:
     # -- attention over one micro-batch ------------------------------------------------------
     def _attention(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: "_MicroBatch",
                    kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """kv: this layer's gathered blocks for the micro-batch, [Hkv, nb, bs, D] each, gathered
-        before this micro-batch ran: its new K/V go to the host pool and into the buffer."""
+        """kv: this layer's gathered blocks for the micro-batch, [Hkv, nb, bs, D] and
+        [Hkv, nb, bs, Dv], gathered before this micro-batch ran: its new K/V go to the host
+        pool and into the buffer. Multi-head attention, or latent attention (MLA: one cached
+        "head" holding the latent and the rope key, values read from the latent part)."""
         a = op["attrs"]
-        if a.get("variant", "mha") != "mha":
-            raise RuntimeError(f"runtime: attention variant {a['variant']!r} (node {op['name']}) is not "
-                               f"implemented by this runtime")
         w = {k: self._w(op, k) for k in op["weights"]}
-        q, k, v = kernels.attention_qkv(x, w, a, rope)  # [t, Hq, D], [t, Hkv, D] x2
+        variant = a.get("variant", "mha")
+        if variant == "mla":
+            q, k, v, finish = kernels.mla_qkv(x, w, a, rope)  # [t, nh, kl+R], [t, 1, kl+R], [t, 1, 0]
+        elif variant == "mha":
+            q, k, v = kernels.attention_qkv(x, w, a, rope)  # [t, Hq, D], [t, Hkv, D] x2
+            finish = None
+        else:
+            raise RuntimeError(f"runtime: attention variant {variant!r} (node {op['name']}) is not "
+                               f"implemented by this runtime")
         layer = a["layer_index"]
         self.kv.write(layer, mb.write_blocks, mb.write_offsets, k.to("cpu"), v.to("cpu"))  # kv_store: to host
         view = mb.view(a.get("sliding_window"), self.kv.block_size)
         kbuf, vbuf = kv
         nb_idx, off = view.new_blocks.to(kbuf.device), view.new_offsets.to(kbuf.device)
         kbuf[:, nb_idx, off] = k.transpose(0, 1).to(kbuf.dtype)  # [Hkv, t, D]
-        vbuf[:, nb_idx, off] = v.transpose(0, 1).to(vbuf.dtype)
-        Hkv, D = a["num_kv_heads"], a["head_dim"]
-        G = a["num_heads"] // Hkv
-        out = torch.empty((x.shape[0], a["num_heads"] * D), dtype=q.dtype, device=q.device)  # [t, Hq*D]
+        if vbuf.shape[-1]:
+            vbuf[:, nb_idx, off] = v.transpose(0, 1).to(vbuf.dtype)
+        else:  # latent attention: the values are the latent part of the key
+            vbuf = kbuf[..., :a["kv_lora_rank"]]
+        Hkv, D, Dv = kbuf.shape[0], kbuf.shape[-1], vbuf.shape[-1]
+        Hq = q.shape[1]
+        G = Hq // Hkv
+        out = torch.empty((x.shape[0], Hq * Dv), dtype=q.dtype, device=q.device)  # [t, Hq*Dv]
         for g in view.decode_groups:
             kg = kbuf[:, g.first:g.first + g.S * g.n].reshape(Hkv, g.S, g.n * kbuf.shape[2], D)  # [Hkv, S, c, D]
-            vg = vbuf[:, g.first:g.first + g.S * g.n].reshape(Hkv, g.S, g.n * kbuf.shape[2], D)
+            vg = vbuf[:, g.first:g.first + g.S * g.n].reshape(Hkv, g.S, g.n * kbuf.shape[2], Dv)
             qg = q[g.rows].view(g.S, Hkv, G, D).transpose(0, 1)  # [Hkv, S, G, D]
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask.to(q.device)[None, :, None, :],
-                                               scale=a["scaling"])  # [Hkv, S, G, D]
+                                               scale=a["scaling"])  # [Hkv, S, G, Dv]
             out[g.rows.to(q.device)] = o.transpose(0, 1).reshape(g.S, -1)
         for p in view.prefill:
             c = p.start + (p.hi - p.lo)  # context after this chunk
             ks = kbuf[:, p.first:p.first + p.nblocks].reshape(Hkv, -1, D)[:, :c]  # [Hkv, c, D]
-            vs = vbuf[:, p.first:p.first + p.nblocks].reshape(Hkv, -1, D)[:, :c]
+            vs = vbuf[:, p.first:p.first + p.nblocks].reshape(Hkv, -1, Dv)[:, :c]
             out[p.lo:p.hi] = kernels.attend(q[p.lo:p.hi], ks, vs, p.start, a)
+        if finish is not None:
+            return finish(out)
         return kernels.linear(out, w["o"], w.get("o_bias"))
 
     def close(self) -> None:

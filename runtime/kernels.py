@@ -73,6 +73,46 @@ def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: to
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] pairs (x0, x1), (x2, x3)... -> evens then odds (DeepSeek's rope_interleave)."""
+    d = x.shape[-1]
+    return x.view(*x.shape[:-1], d // 2, 2).transpose(-1, -2).reshape(*x.shape[:-1], d)
+
+
+def mla_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: torch.Tensor):
+    """Multi-head latent attention, absorbed form. Returns the query [t, nh, kl+R] (latent
+    query q_nope @ W_UK, then the rotated rope part), the cached key [t, 1, kl+R] (normed
+    latent, then the rotated shared rope key), an empty value [t, 1, 0], and `finish`, which
+    maps attention's latent output [t, nh*kl] through W_UV and o_proj to [t, H].
+    Legend: nh heads, kl kv_lora_rank, R qk_rope_head_dim, n qk_nope_head_dim, v v_head_dim."""
+    nh, kl, R = a["num_heads"], a["kv_lora_rank"], a["qk_rope_head_dim"]
+    n, vd, eps = a["qk_nope_head_dim"], a["v_head_dim"], a["norm_eps"]
+    if "q_a" in w:
+        q = linear(rmsnorm(linear(x, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], eps), w["q_b"])  # [t, nh*(n+R)]
+    else:
+        q = linear(x, w["q"], w.get("q_bias"))
+    q = q.view(-1, nh, n + R)
+    q_nope, q_rot = q[..., :n], q[..., n:]  # [t, nh, n], [t, nh, R]
+    ckv = linear(x, w["kv_a"], w.get("kv_a_bias"))  # [t, kl+R]
+    latent = rmsnorm(ckv[:, :kl], w["kv_a_norm"], eps)  # [t, kl]
+    k_rot = ckv[:, None, kl:]  # [t, 1, R]
+    if a.get("rope_interleave"):
+        q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+    cos, sin = rope[:, :R], rope[:, R:]
+    q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
+    wkv = w["kv_b"].view(nh, n + vd, kl)  # [nh, n+v, kl]
+    q_lat = torch.einsum("thn,hnk->thk", q_nope, wkv[:, :n])  # [t, nh, kl]
+    query = torch.cat((q_lat, q_rot), dim=-1)  # [t, nh, kl+R]
+    key = torch.cat((latent[:, None, :], k_rot), dim=-1)  # [t, 1, kl+R]
+    value = key.new_empty(key.shape[0], 1, 0)  # [t, 1, 0]
+
+    def finish(out: torch.Tensor) -> torch.Tensor:  # [t, nh*kl] -> [t, H]
+        o = torch.einsum("thk,hvk->thv", out.view(-1, nh, kl), wkv[:, n:])  # [t, nh, v]
+        return linear(o.reshape(-1, nh * vd), w["o"], w.get("o_bias"))
+
+    return query, key, value, finish
+
+
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, a: dict) -> torch.Tensor:
     """Causal attention of one sequence's n new queries at positions start..start+n-1 over
     its cache (which already holds their K/V). q: [n, Hq, D]; caches: [Hkv, c, D] -> [n, Hq*D]."""

@@ -50,20 +50,22 @@ class KVUsage:
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, block_size: int,
-                 num_blocks: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 num_blocks: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 v_head_dim: int | None = None):
         if block_size < 1 or num_blocks < 1:
             raise ValueError(f"KV cache needs block_size >= 1 and num_blocks >= 1, got {block_size}, {num_blocks}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+        dv = head_dim if v_head_dim is None else v_head_dim  # 0 for latent attention: K holds it all
         # torch.empty: pages are committed only when first written, so an idle pool costs address space only
         self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, Hkv, NB, bs, D]
-        self.v = torch.empty(shape, dtype=dtype, device=device)  # [L, Hkv, NB, bs, D]
+        self.v = torch.empty(shape[:-1] + (dv,), dtype=dtype, device=device)  # [L, Hkv, NB, bs, Dv]
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: block 0 handed out first
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}  # positions reserved per sequence
         elem = self.k.element_size()
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * elem
+        self.bytes_per_token = num_layers * num_kv_heads * (head_dim + dv) * elem
         self.bytes_per_block = self.bytes_per_token * block_size
 
     # -- allocation ---------------------------------------------------------------------------

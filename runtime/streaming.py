@@ -328,23 +328,31 @@ class KVStaging:
     def __post_init__(self) -> None:
         if self.region is not None:
             assert self.cap_blocks is not None
-            n = self.block_elems * self.cap_blocks
             item = self.kv.k.element_size()
-            self.bufs = [_KVBuf(self.region.view(i * 2 * align(n * item), (n,), self.kv.k.dtype, what="KV buffer"),
-                                self.region.view(i * 2 * align(n * item) + align(n * item), (n,), self.kv.k.dtype,
+            nk, nv = self.k_elems * self.cap_blocks, self.v_elems * self.cap_blocks
+            step = align(nk * item) + align(nv * item)
+            self.bufs = [_KVBuf(self.region.view(i * step, (nk,), self.kv.k.dtype, what="KV buffer"),
+                                self.region.view(i * step + align(nk * item), (nv,), self.kv.k.dtype,
                                                  what="KV buffer")) for i in range(2)]
 
     @property
-    def block_elems(self) -> int:
-        return self.kv.k.shape[1] * self.kv.block_size * self.kv.k.shape[4]  # Hkv * bs * D
+    def k_elems(self) -> int:
+        return self.kv.k.shape[1] * self.kv.block_size * self.kv.k.shape[4]  # Hkv * bs * D per block
+
+    @property
+    def v_elems(self) -> int:
+        return self.kv.v.shape[1] * self.kv.block_size * self.kv.v.shape[4]  # Hkv * bs * Dv per block
 
     @staticmethod
     def region_bytes(kv: PagedKVCache, cap_blocks: int) -> int:
-        n = kv.k.shape[1] * kv.block_size * kv.k.shape[4] * cap_blocks * kv.k.element_size()
-        return 4 * align(n)
+        """Two buffers of K and V for `cap_blocks` blocks each."""
+        item = kv.k.element_size()
+        per = kv.k.shape[1] * kv.block_size * cap_blocks * item
+        return 2 * (align(per * kv.k.shape[4]) + align(per * kv.v.shape[4]))
 
-    def _shape(self, nb: int) -> tuple[int, int, int, int]:
-        return (self.kv.k.shape[1], nb, self.kv.block_size, self.kv.k.shape[4])  # [Hkv, nb, bs, D]
+    def _shape(self, nb: int, v: bool = False) -> tuple[int, int, int, int]:
+        t = self.kv.v if v else self.kv.k
+        return (t.shape[1], nb, self.kv.block_size, t.shape[4])  # [Hkv, nb, bs, D]
 
     def submit(self, key: Any, layer: int, blocks: torch.Tensor) -> None:
         """Start gathering `blocks` of `layer` for `key` into a free buffer (no-op if it
@@ -360,9 +368,9 @@ class KVStaging:
         if nb > (self.cap_blocks or 0):
             raise ArenaError(f"device arena: a micro-batch needs {nb} KV blocks but a KV buffer holds "
                              f"{self.cap_blocks}; the runtime split micro-batches wrongly")
-        hk = buf.k[:nb * self.block_elems].view(self._shape(nb))
-        hv = buf.v[:nb * self.block_elems].view(self._shape(nb))
-        nbytes = 2 * nb * self.block_elems * self.kv.k.element_size()
+        hk = buf.k[:nb * self.k_elems].view(self._shape(nb))
+        hv = buf.v[:nb * self.v_elems].view(self._shape(nb, v=True))
+        nbytes = nb * (self.k_elems + self.v_elems) * self.kv.k.element_size()
         release, buf.release = buf.release, None
 
         def fill() -> None:
@@ -371,9 +379,9 @@ class KVStaging:
             if self.staging is None:
                 self.kv.gather(layer, blocks, hk, hv)
                 return
-            half = nb * self.block_elems
-            sk = self.staging.view(self.kv.k.dtype)[:half].view(self._shape(nb))
-            sv = self.staging.view(self.kv.k.dtype)[half:2 * half].view(self._shape(nb))
+            nk, nv = nb * self.k_elems, nb * self.v_elems
+            sk = self.staging.view(self.kv.k.dtype)[:nk].view(self._shape(nb))
+            sv = self.staging.view(self.kv.k.dtype)[nk:nk + nv].view(self._shape(nb, v=True))
             self.kv.gather(layer, blocks, sk, sv)
             hk.copy_(sk, non_blocking=True)
             hv.copy_(sv, non_blocking=True)
@@ -384,12 +392,13 @@ class KVStaging:
         """The gathered KV [Hkv, nb, bs, D] x2 for `key` on the compute device."""
         nb = blocks.numel()
         if self.engine is None:  # fill one growing buffer on this thread
-            need = nb * self.block_elems
-            if not self.bufs or self.bufs[0].k.numel() < need:
-                size = max(need, int(need * 1.25))
-                self.bufs = [_KVBuf(torch.empty(size, dtype=self.kv.k.dtype), torch.empty(size, dtype=self.kv.k.dtype))]
+            nk, nv = nb * self.k_elems, nb * self.v_elems
+            if not self.bufs or self.bufs[0].k.numel() < nk:
+                grow = 1.25
+                self.bufs = [_KVBuf(torch.empty(int(nk * grow), dtype=self.kv.k.dtype),
+                                    torch.empty(int(nv * grow), dtype=self.kv.k.dtype))]
             b = self.bufs[0]
-            hk, hv = b.k[:need].view(self._shape(nb)), b.v[:need].view(self._shape(nb))
+            hk, hv = b.k[:nk].view(self._shape(nb)), b.v[:nv].view(self._shape(nb, v=True))
             self.kv.gather(layer, blocks, hk, hv)
             return hk.to(self.device), hv.to(self.device)
         self.submit(key, layer, blocks)
@@ -398,8 +407,8 @@ class KVStaging:
             raise RuntimeError("KV staging: no free buffer (micro-batch released too late)")
         assert buf.ticket is not None
         buf.ticket.wait()
-        n = nb * self.block_elems
-        return buf.k[:n].view(self._shape(nb)), buf.v[:n].view(self._shape(nb))
+        return (buf.k[:nb * self.k_elems].view(self._shape(nb)),
+                buf.v[:nb * self.v_elems].view(self._shape(nb, v=True)))
 
     def release(self, key: Any) -> None:
         for b in self.bufs:

@@ -31,7 +31,8 @@ def _reference_model(family: str, seed: int = 0, **overrides: object) -> transfo
     """The in-memory model write_checkpoint should have saved."""
     config = ck.tiny_config(family, **overrides)
     cls = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-           "qwen2_moe": transformers.Qwen2MoeForCausalLM, "olmoe": transformers.OlmoeForCausalLM}[family]
+           "qwen2_moe": transformers.Qwen2MoeForCausalLM, "olmoe": transformers.OlmoeForCausalLM,
+           "deepseek_v3": transformers.DeepseekV3ForCausalLM}[family]
     torch.manual_seed(seed)
     return cls(config).eval()
 
@@ -78,19 +79,21 @@ def test_round_trip(tmp_path: Path, family: str, layout: str) -> None:
 
     keys = _safetensors_keys(out / "model.safetensors")
     cfg = reference.config
-    experts = cfg.num_local_experts if family == "mixtral" else cfg.num_experts
+    experts = cfg.n_routed_experts if family == "deepseek_v3" else (
+        cfg.num_local_experts if family == "mixtral" else cfg.num_experts)
     inter = cfg.intermediate_size if family in ("mixtral", "olmoe") else cfg.moe_intermediate_size
+    moe = 1 if family == "deepseek_v3" else 0  # DeepSeek: first_k_dense_replace=1, layer 0 dense
     if layout == "fused":
-        assert keys["model.layers.0.mlp.experts.gate_up_proj"] == [experts, 2 * inter, cfg.hidden_size]
-        assert keys["model.layers.0.mlp.experts.down_proj"] == [experts, cfg.hidden_size, inter]
+        assert keys[f"model.layers.{moe}.mlp.experts.gate_up_proj"] == [experts, 2 * inter, cfg.hidden_size]
+        assert keys[f"model.layers.{moe}.mlp.experts.down_proj"] == [experts, cfg.hidden_size, inter]
     elif family == "mixtral":
         assert keys["model.layers.0.block_sparse_moe.experts.3.w1.weight"] == [inter, cfg.hidden_size]
         assert keys["model.layers.0.block_sparse_moe.experts.3.w2.weight"] == [cfg.hidden_size, inter]
         assert keys["model.layers.0.block_sparse_moe.gate.weight"] == [experts, cfg.hidden_size]
     else:
-        assert keys["model.layers.0.mlp.experts.3.gate_proj.weight"] == [inter, cfg.hidden_size]
-        assert keys["model.layers.0.mlp.experts.3.down_proj.weight"] == [cfg.hidden_size, inter]
-        if family != "olmoe":  # mlp_only_layers=[1]: layer 1 is a dense MLP.
+        assert keys[f"model.layers.{moe}.mlp.experts.3.gate_proj.weight"] == [inter, cfg.hidden_size]
+        assert keys[f"model.layers.{moe}.mlp.experts.3.down_proj.weight"] == [cfg.hidden_size, inter]
+        if family in ("qwen3_moe", "qwen2_moe"):  # mlp_only_layers=[1]: layer 1 is a dense MLP.
             assert keys["model.layers.1.mlp.gate_proj.weight"] == [cfg.intermediate_size, cfg.hidden_size]
             assert not any(k.startswith("model.layers.1.mlp.experts") for k in keys)
 

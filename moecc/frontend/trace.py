@@ -29,9 +29,6 @@ from moecc.ir import Graph, ModelInfo, Node
 
 SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                            "OlmoeForCausalLM", "DeepseekV3ForCausalLM")
-# compiled for planning and inspection from config.json alone; the runtime has no kernels for
-# them yet (multi-head latent attention), so a checkpoint with weights is refused
-PLAN_ONLY_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 _ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -177,12 +174,6 @@ def load_config(ckpt: Checkpoint):
             f"{ckpt.directory}: architecture {archs[0]} is not supported yet; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if archs[0] in PLAN_ONLY_ARCHITECTURES and ckpt.has_weights:
-        runnable = [a for a in SUPPORTED_ARCHITECTURES if a not in PLAN_ONLY_ARCHITECTURES]
-        raise UnsupportedModelError(
-            f"{ckpt.directory}: architecture {archs[0]} compiles for planning only (from a directory "
-            f"holding just its config.json: `moecc compile DIR --gpu-mem ...` then `moecc explain`); "
-            f"the runtime cannot run it yet (multi-head latent attention). Runnable: {', '.join(runnable)}")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(ckpt.directory), local_files_only=True)
