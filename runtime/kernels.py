@@ -140,15 +140,26 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start:
 def route(x: torch.Tensor, w: torch.Tensor, a: dict, bias: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing. x: [T, H], w: [E, H] -> weights [T, k] (fp32, or the model dtype
-    where the model's router returns that), index [T, k]. `a["scoring"]` "sigmoid" is
-    DeepSeek-V3's: see route_grouped."""
+    where the model's router returns that), index [T, k]. DeepSeek-V2 (`routed_scaling_factor`,
+    `topk_method`): in fp32, optionally only within the top groups (a group scored by its best
+    expert), scaled. `a["scoring"]` "sigmoid" is DeepSeek-V3's: see route_grouped."""
     if a.get("scoring", "softmax") == "sigmoid":
         return route_grouped(x, w, a, bias)
-    logits = linear(x, w)  # [T, E]
+    if "routed_scaling_factor" in a:  # DeepSeek-V2 routes in fp32
+        logits = F.linear(x.float(), w.float())  # [T, E]
+    else:
+        logits = linear(x, w)  # [T, E]
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    if a.get("topk_method") == "group_limited_greedy":  # groups scored by their best expert
+        T, E, G = probs.shape[0], probs.shape[1], int(a["num_groups"])
+        group = probs.view(T, G, E // G).max(dim=-1).values  # [T, G]
+        keep = torch.zeros_like(group).scatter_(1, torch.topk(group, int(a["topk_groups"]), dim=-1)[1], 1.0)
+        probs = probs.masked_fill(~keep.unsqueeze(-1).expand(T, G, E // G).reshape(T, E).bool(), 0.0)
     top_w, top_i = torch.topk(probs, a["top_k"], dim=-1)  # [T, k]
     if a.get("norm_topk_prob", True):
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    if "routed_scaling_factor" in a:
+        top_w = top_w * float(a["routed_scaling_factor"])
     if a.get("weights_in_model_dtype", False):
         top_w = top_w.to(x.dtype)
     return top_w, top_i

@@ -32,7 +32,7 @@ def _reference_model(family: str, seed: int = 0, **overrides: object) -> transfo
     config = ck.tiny_config(family, **overrides)
     cls = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
            "qwen2_moe": transformers.Qwen2MoeForCausalLM, "olmoe": transformers.OlmoeForCausalLM,
-           "deepseek_v3": transformers.DeepseekV3ForCausalLM}[family]
+           "deepseek_v2": transformers.DeepseekV2ForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM}[family]
     torch.manual_seed(seed)
     return cls(config).eval()
 
@@ -79,10 +79,10 @@ def test_round_trip(tmp_path: Path, family: str, layout: str) -> None:
 
     keys = _safetensors_keys(out / "model.safetensors")
     cfg = reference.config
-    experts = cfg.n_routed_experts if family == "deepseek_v3" else (
+    experts = cfg.n_routed_experts if family.startswith("deepseek") else (
         cfg.num_local_experts if family == "mixtral" else cfg.num_experts)
     inter = cfg.intermediate_size if family in ("mixtral", "olmoe") else cfg.moe_intermediate_size
-    moe = 1 if family == "deepseek_v3" else 0  # DeepSeek: first_k_dense_replace=1, layer 0 dense
+    moe = 1 if family.startswith("deepseek") else 0  # DeepSeek: first_k_dense_replace=1, layer 0 dense
     if layout == "fused":
         assert keys[f"model.layers.{moe}.mlp.experts.gate_up_proj"] == [experts, 2 * inter, cfg.hidden_size]
         assert keys[f"model.layers.{moe}.mlp.experts.down_proj"] == [experts, cfg.hidden_size, inter]

@@ -18,7 +18,8 @@ from moecc_runtime.generate import GenRequest, generate
 NEW_TOKENS = 10
 CASES = [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen3_moe", "per_expert"), ("qwen3_moe", "fused"),
          ("qwen2_moe", "per_expert"), ("qwen2_moe", "fused"), ("olmoe", "per_expert"), ("olmoe", "fused"),
-         ("deepseek_v3", "per_expert"), ("deepseek_v3", "fused")]
+         ("deepseek_v2", "per_expert"), ("deepseek_v2", "fused"), ("deepseek_v3", "per_expert"),
+         ("deepseek_v3", "fused")]
 
 
 def _prompts(n: int = 18) -> list[str]:

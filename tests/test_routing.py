@@ -1,6 +1,8 @@
 """The runtime's routing kernels pick the same experts with the same weights as
 transformers' routers: DeepSeek-V3's group-limited sigmoid routing (correction bias, groups,
-scaling) against DeepseekV3TopkRouter, on random inputs and biases that move the choice."""
+scaling) against DeepseekV3TopkRouter, on random inputs and biases that move the choice, and
+DeepSeek-V2's softmax routing (greedy or limited to the top groups, scaled) against
+DeepseekV2TopkRouter."""
 
 from __future__ import annotations
 
@@ -34,3 +36,27 @@ def test_v3_grouped_sigmoid_routing_matches_transformers(seed, norm):
     # the bias changed some choices: without it the picks differ for some token
     _, i0 = kernels.route(x, router.weight.detach(), a, None)
     assert not torch.equal(i0.sort(dim=-1).values, mo.values)
+
+
+def _same_choice(ref_w, ref_i, w, i):
+    ro, mo = ref_i.sort(dim=-1), i.sort(dim=-1)
+    assert torch.equal(ro.values, mo.values)
+    torch.testing.assert_close(w.gather(1, mo.indices), ref_w.gather(1, ro.indices), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("method,groups,topk_groups", [("greedy", 1, 1), ("group_limited_greedy", 4, 2)])
+def test_v2_softmax_routing_matches_transformers(seed, method, groups, topk_groups):
+    cfg = transformers.DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=groups,
+                                        topk_group=topk_groups, topk_method=method, routed_scaling_factor=16.0)
+    torch.manual_seed(seed)
+    router = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+    x = torch.randn(64, 32)
+    with torch.no_grad():
+        _, ref_w, ref_i = router(x)
+    a = {"top_k": 4, "topk_method": method, "num_groups": groups, "topk_groups": topk_groups,
+         "routed_scaling_factor": 16.0, "norm_topk_prob": False, "scoring": "softmax"}
+    w, i = kernels.route(x, router.weight.detach(), a)
+    _same_choice(ref_w, ref_i, w, i)

@@ -28,10 +28,10 @@ from moecc.frontend.weights import WeightResolver
 from moecc.ir import Graph, ModelInfo, Node
 
 SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                           "OlmoeForCausalLM", "DeepseekV3ForCausalLM")
+                           "OlmoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                       "deepseek_v3": "DeepseekV3ForCausalLM"}
+                       "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 _STATIC_ROPE = ("default", "linear", "yarn", "llama3")
 
 
@@ -366,6 +366,13 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
             weights["bias"] = r.tensor(f"{path}.e_score_correction_bias", (E,))
             attrs.update(scoring="sigmoid", num_groups=int(mod.num_group), topk_groups=int(mod.topk_group),
                          routed_scaling_factor=float(mod.routed_scaling_factor))
+        elif hasattr(mod, "topk_method"):  # DeepSeek-V2: softmax, greedy or group-limited, scaled, not renormalised
+            if mod.topk_method not in ("greedy", "group_limited_greedy"):
+                raise UnsupportedModelError(f"{path}: router topk_method {mod.topk_method!r} is not supported "
+                                            f"(supported: greedy, group_limited_greedy)")
+            attrs.update(topk_method=mod.topk_method, num_groups=int(mod.num_group or 1),
+                         topk_groups=int(mod.topk_group or 1), routed_scaling_factor=float(mod.routed_scaling_factor),
+                         norm_topk_prob=False, weights_in_model_dtype=False)
         g.add(Node(name, "router", [tensor_input(args[0], n)], role="router", layer=idx, shape=("T", k),
                    weights=weights, attrs=attrs, flops_per_token=2 * H * E, source=path))
         return _Ref("tuple", name)
@@ -465,7 +472,9 @@ def _lower_mla(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torc
     attrs: dict[str, Any] = {"variant": "mla", "num_heads": nh, "q_lora_rank": ql, "kv_lora_rank": kl,
                              "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": vd,
                              "head_dim": rope, "num_kv_heads": 1, "scaling": float(mod.scaling),
-                             "layer_index": idx, "rope_interleave": bool(getattr(mod.config, "rope_interleave", False)),
+                             # V2 rotates complex pairs (x0, x1), (x2, x3)...: V3's rope_interleave
+                             "layer_index": idx, "rope_interleave": bool(getattr(mod.config, "rope_interleave",
+                                                                                  info.model_type == "deepseek_v2")),
                              "norm_eps": norm_eps(mod.kv_a_layernorm),
                              # absorbed decode: scores over latent + rope key, values in the latent
                              "flops_per_ctx_token": 2 * nh * (kl + rope) + 2 * nh * kl}

@@ -7,7 +7,7 @@ same arguments twice produces byte-identical files.
 
 Command line::
 
-    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|qwen2_moe|olmoe|deepseek_v3]
+    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|qwen2_moe|olmoe|deepseek_v2|deepseek_v3]
         [--layout per_expert|fused] [--seed N] [--dtype float32]
         [--preset demo] [--set key=value ...]
 """
@@ -42,7 +42,7 @@ __all__ = [
     "main",
 ]
 
-FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
+FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -130,6 +130,32 @@ _TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "initializer_range": 0.1,
         "tie_word_embeddings": False,
     },
+    # MLA with a full-rank q (as V2-Lite), complex-pair rope, softmax routing limited to the top
+    # groups, scaled and not renormalised, a shared expert, a dense first layer
+    "deepseek_v2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
+        "topk_method": "group_limited_greedy",
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 1.5,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    },
     # multi-head latent attention (q and kv low rank, interleaved rope), a dense first layer,
     # group-limited sigmoid routing with a shared expert
     "deepseek_v3": {
@@ -207,6 +233,8 @@ def _config_class(family: str) -> type[transformers.PretrainedConfig]:
         return transformers.OlmoeConfig
     if family == "deepseek_v3":
         return transformers.DeepseekV3Config
+    if family == "deepseek_v2":
+        return transformers.DeepseekV2Config
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -221,6 +249,8 @@ def _model_class(family: str) -> type[transformers.PreTrainedModel]:
         return transformers.OlmoeForCausalLM
     if family == "deepseek_v3":
         return transformers.DeepseekV3ForCausalLM
+    if family == "deepseek_v2":
+        return transformers.DeepseekV2ForCausalLM
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
