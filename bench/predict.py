@@ -107,6 +107,29 @@ class SpeedProbe:
         return 6.0 * self.tokens * self.hidden * self.inter * calls / (time.perf_counter() - t0)
 
 
+def prefetch_variant(plan: dict[str, Any], budget: int) -> tuple[str, dict[str, Any] | None]:
+    """No prefetch if the planner prefetches; else three expert slots (two ahead), the arena
+    grown to hold them when the budget allows."""
+    lay = plan["arena"]
+    if lay["expert_slots"] > 1:
+        return "hand: no prefetch (one expert slot)", {"arena": {"expert_slots": 1}}
+    grown = lay["bytes"] + 2 * lay["expert_slot_bytes"]
+    if grown > budget * 0.9:
+        return "hand: prefetch 2 (does not fit)", None
+    return "hand: prefetch 2 (three expert slots)", {"arena": {"expert_slots": 3, "bytes": grown}}
+
+
+def resident_variant(plan: dict[str, Any], budget: int) -> dict[str, Any] | None:
+    """Every layer's attention weights resident (the arena grown by their bytes), if it fits."""
+    lay = plan["arena"]
+    groups = sorted({f"L{m['layer']}.attn" for m in plan["schedule"] if m["kind"] == "attn"})
+    extra = sum(e["nbytes"] + 256 for k, e in plan["weights"].items()
+                if k.split(".")[0].startswith("l") and ".self_attn" in k or k.endswith("input_layernorm.weight"))
+    if lay["bytes"] + extra > budget * 0.9:
+        return None
+    return {"arena": {"resident": sorted(set(lay["resident"]) | set(groups)), "bytes": lay["bytes"] + extra}}
+
+
 def run_plan(plan_path: Path, prompts: Path, work: Path, name: str) -> dict[str, Any]:
     """Run the plan; phase rates from the per-step records, leaving out the job's first
     steps (the first touch of every weight page and buffer: a start-up cost, not a rate)."""
@@ -192,8 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     hand = [("hand: b_e=64 (per-step sized expert chunks)", {"decode": {"b_e": 64}, "prefill": {"b_e": 64}}),
             ("hand: b_a=B/8, 1024-token prefill steps", {"decode": {"b_a": max(1, B // 8)},
                                                         "prefill": {"tokens_per_step": 1024, "b_a": max(1, B // 8)}}),
-            ("hand: no prefetch (one expert slot)", {"arena": {"expert_slots": 1}}),
-            ("hand: nothing resident", {"arena": {"resident": []}})]
+            # the other side of the planner's own overlap and residency choices (a variant equal
+            # to the planner's choice would only measure run-to-run noise)
+            prefetch_variant(base, rows[0]["gpu_mem"]),
+            ("hand: nothing resident", {"arena": {"resident": []}}) if base["arena"]["resident"] and any(
+                not g.endswith(".dense") for g in base["arena"]["resident"]) else
+            ("hand: every attention resident", resident_variant(base, rows[0]["gpu_mem"]))]
+    hand = [h for h in hand if h[1] is not None]
     for name, change in hand:
         plan = load_plan(rows[0]["path"])
         for part, kv in change.items():
