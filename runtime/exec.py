@@ -18,7 +18,7 @@ import torch
 
 from moecc_runtime.engine import Engine
 from moecc_runtime.generate import GenRequest, GenResult, generate
-from moecc_runtime.plan import check_checkpoint, load_plan
+from moecc_runtime.plan import PlanError, check_checkpoint, load_plan
 from moecc_runtime.requests import Request, RequestError, iter_requests
 from moecc_runtime.tokenizer import Tokenizer
 
@@ -64,6 +64,10 @@ def run_job(
     they finish. With `stats_path`, write the job summary and per-step engine records (JSON)."""
     plan = load_plan(plan_path)
     mdir = check_checkpoint(plan, model_dir)
+    planned_B = int(plan["batch"]["decode"]["B"])
+    if plan.get("arena") and max_batch is not None and max_batch > planned_B:
+        raise PlanError(f"--max-batch {max_batch} exceeds the B={planned_B} the plan sized its device arena for "
+                        f"(staging for B + prefill rows); recompile with `moecc compile ... --max-batch {max_batch}`")
     tok = Tokenizer(mdir)
     context = int(plan["model"]["info"]["max_position_embeddings"])
     summary = JobSummary()

@@ -159,3 +159,19 @@ def test_copy_engine_reports_failure_with_what_was_copied():
         assert eng.copies == 1 and eng.bytes == 8
     finally:
         eng.close()
+
+
+def test_max_batch_above_the_arena_plan_is_refused_before_running(mixtral, tmp_path):  # noqa: F811
+    """The arena's staging is sized for the plan's B: a larger --max-batch fails at once,
+    saying what to recompile, instead of overflowing mid-job."""
+    from moecc_runtime.plan import PlanError
+
+    plan = compile_streamed(mixtral[0], BUDGETS[1])
+    path = tmp_path / "plan.pt"
+    save_plan(plan, path)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "a b"}) + "\n")
+    B = plan["batch"]["decode"]["B"]
+    with open(tmp_path / "out.jsonl", "w") as f, pytest.raises(PlanError, match=f"--max-batch {B + 1} exceeds"):
+        run_job(path, tmp_path / "in.jsonl", f, max_batch=B + 1, log=None)
+    with open(tmp_path / "out.jsonl", "w") as f:
+        assert run_job(path, tmp_path / "in.jsonl", f, max_batch=B, log=None).succeeded == 1
