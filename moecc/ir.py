@@ -11,6 +11,7 @@ token; integers are concrete sizes from the config. Example: ("T", 4096) is [T, 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +42,9 @@ OPS: dict[str, str] = {
 TRANSFER_OPS = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
 
 
-@dataclass
+@dataclass(frozen=True)
 class WeightRef:
-    """A weight the runtime reads from the checkpoint.
+    """A weight the runtime reads from the checkpoint (a value: immutable, shared by copies).
 
     `tensor` is the checkpoint tensor name; `index` selects a slice along dim 0 (one expert
     of a fused 3-D tensor), `rows` a row range of that slice (gate or up half of gate_up).
@@ -161,7 +162,11 @@ class Graph:
         return node
 
     def copy(self) -> "Graph":
-        g = Graph(copy.deepcopy(self.info), copy.deepcopy(self.nodes))
+        """An independent graph: nodes, their lists and dicts are new; WeightRefs (immutable)
+        are shared. (A deep copy took 8 of the 34 s of compiling DeepSeek-V3's 671B config.)"""
+        nodes = [dataclasses.replace(n, inputs=list(n.inputs), weights=dict(n.weights), attrs=copy.deepcopy(n.attrs))
+                 for n in self.nodes]
+        g = Graph(copy.deepcopy(self.info), nodes)
         g.properties = set(self.properties)
         g.attrs = copy.deepcopy(self.attrs)
         return g
