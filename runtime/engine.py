@@ -121,6 +121,15 @@ class Engine:
         self.rope_scaling = float(plan["rope"]["attention_scaling"])
         self.schedule = plan["schedule"]
         self._producer = {op["name"]: op["op"] for m in self.schedule for op in m["ops"]}
+        # per module: (layer, sliding window) of the next attention module in the schedule
+        self._next_attn: list[tuple[int, int | None] | None] = []
+        nxt: tuple[int, int | None] | None = None
+        for m in reversed(self.schedule):
+            self._next_attn.append(nxt)
+            for op in m["ops"]:
+                if op["op"] == "attention":
+                    nxt = (op["attrs"]["layer_index"], op["attrs"].get("sliding_window"))
+        self._next_attn.reverse()
         kv_plan = plan["batch"].get("kv", {})
         bs = int(block_size or kv_plan.get("block_size", DEFAULT_BLOCK_SIZE))
         seq_len = int(plan["batch"]["workload"]["seq_len"])
@@ -206,7 +215,7 @@ class Engine:
         attention layer's first) is gathered while this one computes."""
         attn = next(op for op in module["ops"] if op["op"] == "attention")["attrs"]
         layer, window, bs = attn["layer_index"], attn.get("sliding_window"), self.kv.block_size
-        nxt = self._next_attention(index)
+        nxt = self._next_attn[index]
         for j, mb in enumerate(mbs):
             view = mb.view(window, bs)
             key = (self._step_no, layer, j)
@@ -218,14 +227,6 @@ class Engine:
         if nxt is not None and mbs:
             nlayer, nwindow = nxt
             self.kv_staging.submit((self._step_no, nlayer, 0), nlayer, mbs[0].view(nwindow, bs).blocks)
-
-    def _next_attention(self, index: int) -> tuple[int, int | None] | None:
-        """(layer, sliding window) of the next attention module in this step's schedule."""
-        for m in self.schedule[index + 1:]:
-            for op in m["ops"]:
-                if op["op"] == "attention":
-                    return op["attrs"]["layer_index"], op["attrs"].get("sliding_window")
-        return None
 
     def _account(self, b: "_StepBatch", seconds: float, experts: int, copy0: tuple[float, float, int]) -> None:
         st, use = self.stats, self.kv.usage()

@@ -86,26 +86,24 @@ class _SlotPool:
         self.slots = [_Slot(i, region, i * slot_bytes, slot_bytes) for i in range(n)]
         self._free = deque(self.slots)
 
-    def find(self, unit: Any) -> _Slot | None:
-        return next((s for s in self.slots if s.unit == unit), None)
-
-    def acquire(self, unit: Any) -> _Slot:
-        """A free slot, preferring the least recently freed (keeps recent units for reuse)."""
+    def acquire(self, unit: Any) -> tuple[_Slot, bool]:
+        """A slot for `unit`: a free one that still holds it (True: nothing to copy), else
+        the least recently freed (which keeps recent units around for reuse)."""
+        held = next((s for s in self._free if s.unit == unit), None)
+        if held is not None:
+            self._free.remove(held)
+            return held, True
         if not self._free:
             raise RuntimeError("copy engine: no free weight slot (the runtime released too few)")
         s = self._free.popleft()
         s.unit = unit
-        return s
+        return s, False
 
     def release(self, s: _Slot) -> None:
         if s.region.base.is_cuda:
             s.release = torch.cuda.Event()
             s.release.record(torch.cuda.current_stream())
         self._free.append(s)
-
-    def take(self, s: _Slot) -> None:
-        """Re-use a free slot that still holds the wanted unit."""
-        self._free.remove(s)
 
 
 class Copier:
@@ -207,13 +205,17 @@ class StreamedWeights:
         return views, pairs, off
 
     def _submit_unit(self, pool: _SlotPool, unit: Any, keys: list[str], what: str):
-        slot = pool.acquire(unit)
+        """Fetch `unit` (its weights `keys`) into a slot of `pool`: (slot, ticket, views). A free
+        slot still holding the unit is reused without a copy."""
+        slot, held = pool.acquire(unit)
         try:
             views, pairs, nbytes = self._place(slot, keys, what)
         except (WeightError, ArenaError):
-            pool.release(slot)
             slot.unit = None
+            pool.release(slot)
             raise
+        if held:
+            return slot, self.engine.submit("cached", 0, lambda: None), views
         ticket = self.engine.submit(what, nbytes, lambda: self.copier.copy(pairs, slot))
         return slot, ticket, views
 
@@ -240,14 +242,7 @@ class StreamedWeights:
     def _prefetch(self, index: int) -> None:
         keys = self.units[index]
         assert keys is not None
-        cached = self.dense.find(index)
-        if cached is not None and cached is not self._holding:
-            self.dense.take(cached)  # still there from last time (few streamed modules)
-            t = self.engine.submit("cached", 0, lambda: None)
-            self._pending[index] = (cached, t, self._place(cached, keys, "")[0])
-            return
-        self._pending[index] = self._submit_unit(self.dense, index, keys,
-                                                 f"module {self.schedule[index]['module']}")
+        self._pending[index] = self._submit_unit(self.dense, index, keys, f"module {self.schedule[index]['module']}")
 
     def get(self, key: str) -> torch.Tensor:
         t = self._cur.get(key)
@@ -270,14 +265,7 @@ class StreamedWeights:
 
         def submit() -> None:
             e = todo.popleft()
-            keys = expert_keys(op, e)
-            cached = pool.find((op["name"], e))
-            if cached is not None and cached in pool._free:
-                pool.take(cached)
-                inflight.append((cached, self.engine.submit("cached", 0, lambda: None),
-                                 self._place(cached, keys, "")[0], e))
-                return
-            slot, t, views = self._submit_unit(pool, (op["name"], e), keys, f"expert {e} of {op['name']}")
+            slot, t, views = self._submit_unit(pool, (op["name"], e), expert_keys(op, e), f"expert {e} of {op['name']}")
             inflight.append((slot, t, views, e))
 
         try:

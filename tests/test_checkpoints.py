@@ -30,9 +30,7 @@ TEXTS = [
 def _reference_model(family: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
     """The in-memory model write_checkpoint should have saved."""
     config = ck.tiny_config(family, **overrides)
-    cls = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-           "qwen2_moe": transformers.Qwen2MoeForCausalLM, "olmoe": transformers.OlmoeForCausalLM,
-           "deepseek_v2": transformers.DeepseekV2ForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM}[family]
+    cls = ck.FAMILY_CLASSES[family][1]
     torch.manual_seed(seed)
     return cls(config).eval()
 

@@ -32,6 +32,7 @@ from transformers.utils import logging as hf_logging
 __all__ = [
     "DTYPES",
     "FAMILIES",
+    "FAMILY_CLASSES",
     "LAYOUTS",
     "PRESETS",
     "SPECIAL_TOKENS",
@@ -42,7 +43,7 @@ __all__ = [
     "main",
 ]
 
-FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3")  # FAMILY_CLASSES keys
 LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -222,36 +223,29 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 _LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling"})
 
 
+#: family -> (config class, model class), the transformers classes a family is written with
+FAMILY_CLASSES: dict[str, tuple[type[transformers.PretrainedConfig], type[transformers.PreTrainedModel]]] = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+    "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+}
+
+
+def _classes(family: str) -> tuple[type[transformers.PretrainedConfig], type[transformers.PreTrainedModel]]:
+    if family not in FAMILY_CLASSES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    return FAMILY_CLASSES[family]
+
+
 def _config_class(family: str) -> type[transformers.PretrainedConfig]:
-    if family == "mixtral":
-        return transformers.MixtralConfig
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig
-    if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig
-    if family == "olmoe":
-        return transformers.OlmoeConfig
-    if family == "deepseek_v3":
-        return transformers.DeepseekV3Config
-    if family == "deepseek_v2":
-        return transformers.DeepseekV2Config
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    return _classes(family)[0]
 
 
 def _model_class(family: str) -> type[transformers.PreTrainedModel]:
-    if family == "mixtral":
-        return transformers.MixtralForCausalLM
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeForCausalLM
-    if family == "qwen2_moe":
-        return transformers.Qwen2MoeForCausalLM
-    if family == "olmoe":
-        return transformers.OlmoeForCausalLM
-    if family == "deepseek_v3":
-        return transformers.DeepseekV3ForCausalLM
-    if family == "deepseek_v2":
-        return transformers.DeepseekV2ForCausalLM
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    return _classes(family)[1]
 
 
 def _train_tokenizer(vocab_size: int) -> Tokenizer:
