@@ -217,7 +217,7 @@ def _mlp_curve(torch, dev: str, dt, hidden: int, inter: int, s: _Settings, timer
     import mmap
     import tempfile
 
-    import torch.nn.functional as F
+    from moecc_runtime.kernels import gated_mlp
 
     elem = torch.empty((), dtype=dt).element_size()
     per = 3 * hidden * inter * elem
@@ -243,9 +243,7 @@ def _mlp_curve(torch, dev: str, dt, hidden: int, inter: int, s: _Settings, timer
         def call():
             counter[0] += 1
             g, u, d = ws[counter[0] % pool]
-            h = F.silu(F.linear(x, g))
-            h.mul_(F.linear(x, u))
-            return F.linear(h, d)
+            return gated_mlp(x, g, u, d, "silu")
 
         sec, first = timer.per_call(call)
         return 6.0 * tokens * hidden * inter / sec, first

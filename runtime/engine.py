@@ -170,12 +170,6 @@ class Engine:
         self.stage = self.arena.region("stage", int(lay["stage_bytes"]))
         self.stats.arena_bytes = self.arena.nbytes
 
-    @property
-    def max_sequence_tokens(self) -> int | None:
-        """The longest sequence (prompt + output) one KV buffer of the arena holds."""
-        cap = self.kv_staging.cap_blocks
-        return None if cap is None else cap * self.kv.block_size
-
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, work: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -285,11 +279,12 @@ class Engine:
             if host:
                 return x
             if self.stage is None:
-                return x.to(self.device)
-            dst = self.stage.view(staged, x.shape, x.dtype, what=f"staged input {name} of {module['module']}")
-            staged += align(x.numel() * x.element_size())
-            dst.copy_(x)
-            local[name] = dst  # staged once per module run, however many ops read it
+                dst = x.to(self.device)
+            else:
+                dst = self.stage.view(staged, x.shape, x.dtype, what=f"staged input {name} of {module['module']}")
+                staged += align(x.numel() * x.element_size())
+                dst.copy_(x)
+            local[name] = dst  # brought over once per module run, however many ops read it
             return dst
 
         for op in module["ops"]:
