@@ -37,9 +37,13 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ELEM_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 SOURCES: tuple[str, ...] = ("preset", "measured", "file")
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
-CURVE_KINDS: tuple[str, ...] = ("gemm", "attention", "cpu_attention", "copy", "mlp")
+CURVE_KINDS: tuple[str, ...] = ("gemm", "attention", "cpu_attention", "copy", "mlp", "elementwise")
 _MLP_KEY = re.compile(r"^(float32|bfloat16|float16):(\d+)x(\d+)$")
 COPY_DIRECTIONS: tuple[str, ...] = ("h2d", "d2h")
+
+# Fraction of memory bandwidth that the runtime's elementwise glue (norms, residual adds,
+# rope, gathers) achieves when no curve was measured (short ops, each its own pass).
+ELEMENTWISE_EFFICIENCY = 0.5
 
 # Fraction of memory bandwidth that attention over a KV cache achieves when no curve was
 # measured (decode attention is a streaming read of K and V, but with softmax, small
@@ -89,7 +93,8 @@ class HardwareProfile:
     plus bytes written, as STREAM counts a copy). `curves` (possibly empty) holds measured
     curves of [size, rate] points, sizes strictly increasing:
     "gemm" {dtype: [[tokens, FLOP/s]]}, "attention" and "cpu_attention"
-    {dtype: [[kv_bytes, bytes/s]]}, "copy" {"h2d"|"d2h": [[bytes, bytes/s]]}.
+    {dtype: [[kv_bytes, bytes/s]]}, "copy" {"h2d"|"d2h": [[bytes, bytes/s]]}, "mlp"
+    {"dtype:HxI": [[tokens, FLOP/s]]}, "elementwise" {dtype: [[bytes, bytes/s]]}.
     Construction validates every field (HardwareError naming the field).
     """
 
@@ -155,6 +160,17 @@ class HardwareProfile:
         if curve:
             return interpolate_log2(curve, max(1.0, float(kv_bytes)))
         return ATTENTION_EFFICIENCY * (self.host_bandwidth if on_cpu else self.device_bandwidth)
+
+    def elementwise_rate(self, dtype: str, nbytes: float) -> float:
+        """Bytes/s of the runtime's elementwise ops (counted as costs.ELEMENTWISE_PASSES
+        counts them) over one call touching `nbytes`. Measured: the "elementwise" curve for
+        `dtype` (the runtime's rmsnorm + residual add), linear in log2(nbytes), clamped;
+        otherwise ELEMENTWISE_EFFICIENCY (0.5) times device_bandwidth."""
+        dt = normalize_dtype(dtype)
+        curve = self.curves.get("elementwise", {}).get(dt)
+        if curve:
+            return interpolate_log2(curve, max(1.0, float(nbytes)))
+        return ELEMENTWISE_EFFICIENCY * self.device_bandwidth
 
     def copy_rate(self, direction: str, nbytes: float) -> float:
         """Bytes/s of one pinned copy of `nbytes` in `direction` ("h2d" or "d2h"). Measured:

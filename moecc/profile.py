@@ -51,6 +51,7 @@ class _Settings:
     attn_seq: tuple[int, ...]  # KV positions per sequence
     copy_sizes: tuple[int, ...]  # bytes
     big_copy_bytes: int  # for host/device memory bandwidth
+    glue_rows: tuple[int, ...]  # rows of the elementwise (norm + add) measurement
     min_reps: int
     min_point_s: float  # repeat a point at least this long (and min_reps times)
     point_budget_s: float  # stop repeating a point after this long
@@ -65,7 +66,7 @@ def _settings(device: str, quick: bool) -> _Settings:
             weight_pool_bytes=(256 if cuda else 64) << 20,
             attn_batch=16 if cuda else 4, attn_heads=8, attn_head_dim=128,
             attn_seq=(256, 4096) if cuda else (32, 256, 1024),
-            copy_sizes=(1 << 16, 1 << 20, 1 << 24, 1 << 26), big_copy_bytes=1 << 26,
+            copy_sizes=(1 << 16, 1 << 20, 1 << 24, 1 << 26), big_copy_bytes=1 << 26, glue_rows=(16, 256),
             min_reps=3, min_point_s=0.02, point_budget_s=0.15, slow_call_s=0.2,
         )
     return _Settings(
@@ -73,7 +74,7 @@ def _settings(device: str, quick: bool) -> _Settings:
         weight_pool_bytes=(512 if cuda else 128) << 20,
         attn_batch=16 if cuda else 4, attn_heads=8, attn_head_dim=128,
         attn_seq=(64, 256, 1024, 4096, 16384) if cuda else (16, 64, 256, 1024, 4096),
-        copy_sizes=tuple(1 << s for s in range(16, 29, 2)), big_copy_bytes=1 << 28,
+        copy_sizes=tuple(1 << s for s in range(16, 29, 2)), big_copy_bytes=1 << 28, glue_rows=(16, 128, 1024, 4096),
         min_reps=5, min_point_s=0.25, point_budget_s=1.0, slow_call_s=1.0,
     )
 
@@ -252,6 +253,36 @@ def _mlp_curve(torch, dev: str, dt, hidden: int, inter: int, s: _Settings, timer
     return _curve(tokens, one, s.slow_call_s)
 
 
+def _elementwise_curve(torch, dev: str, dt, hidden: int, s: _Settings, timer: _Timer) -> list[list[float]]:
+    """Bytes/s of the runtime's glue: its rmsnorm then a residual add over [rows, hidden],
+    bytes counted as the planner counts them (costs.ELEMENTWISE_PASSES: 6 + 3 passes of a
+    row), against the bytes one call touches. Inputs rotate through a pool larger than the
+    caches, as a step's activations are cold by the time the glue after a GEMM reads them."""
+    from moecc.planner.costs import ELEMENTWISE_PASSES
+    from moecc_runtime.kernels import rmsnorm
+
+    elem = torch.empty((), dtype=dt).element_size()
+    passes = ELEMENTWISE_PASSES["rmsnorm"] + ELEMENTWISE_PASSES["add"]
+    w = torch.ones(hidden, device=dev).to(dt)
+
+    def one(nbytes: float) -> tuple[float, float]:
+        rows = max(1, int(nbytes // (passes * hidden * elem)))
+        pool = max(2, min(64, s.weight_pool_bytes // (2 * rows * hidden * elem)))
+        xs = [(torch.randn(rows, hidden, device=dev).to(dt), torch.randn(rows, hidden, device=dev).to(dt))
+              for _ in range(pool)]
+        turn = [0]
+
+        def call():
+            turn[0] += 1
+            x, r = xs[turn[0] % pool]
+            return rmsnorm(x, w, 1e-6) + r
+
+        sec, first = timer.per_call(call)
+        return passes * rows * hidden * elem / sec, first
+
+    return _curve([float(passes * n * hidden * elem) for n in s.glue_rows], one, s.slow_call_s)
+
+
 def _host_copy_curve(torch, s: _Settings) -> list[list[float]]:
     """Bytes/s of the CPU copy engine's transfer: ctypes.memmove (one thread, the GIL
     released) on a worker thread, from a rotating source pool larger than the caches."""
@@ -406,6 +437,9 @@ def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: b
         mlp = {f"{normalize_dtype(dt)}:{h}x{i}": _mlp_curve(torch, device, getattr(torch, normalize_dtype(dt)), h, i,
                                                             s, timer) for dt, h, i in mlp_shapes}
         attention = {dt: _attention_curve(torch, device, getattr(torch, dt), s, timer) for dt in names}
+        glue_hidden = mlp_shapes[0][1] if mlp_shapes else 4096
+        elementwise = {dt: _elementwise_curve(torch, device, getattr(torch, dt), glue_hidden, s, timer)
+                       for dt in names}
         if cuda:
             cpu_attention = {dt: _attention_curve(torch, "cpu", getattr(torch, dt), cs, host_timer)
                              for dt in names}
@@ -443,6 +477,7 @@ def measure(device: str = "auto", dtypes: Sequence[str] = ("float32",), quick: b
         "cpu_attention": {dt: p for dt, p in cpu_attention.items() if p},
         "copy": {k: p for k, p in (("h2d", h2d), ("d2h", d2h)) if p},
         "mlp": {k: p for k, p in mlp.items() if p},
+        "elementwise": {dt: p for dt, p in elementwise.items() if p},
     }
     return HardwareProfile(
         name=f"measured-{device}" + ("-quick" if quick else ""), source="measured", device_kind=device,
@@ -506,6 +541,8 @@ def summarize(p: HardwareProfile) -> list[str]:
         for dt, pts in p.curves.get(kind, {}).items():
             lines.append(f"  attention {dt} ({where}): {_si(pts[-1][1], 'B/s')} "
                          f"at {format_bytes(pts[-1][0])} of KV")
+    for dt, pts in p.curves.get("elementwise", {}).items():
+        lines.append(f"  elementwise {dt} (norm + add): {_si(pts[-1][1], 'B/s')} at {format_bytes(pts[-1][0])}")
     if "attention" not in p.curves:
         lines.append(f"  attention {dts[0]}: {_si(p.attention_rate(dts[0], 1 << 26), 'B/s')} (estimate)")
     lines.append(f"  copy h2d {_si(p.h2d_bandwidth, 'B/s')}, d2h {_si(p.d2h_bandwidth, 'B/s')} "

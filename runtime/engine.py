@@ -114,9 +114,12 @@ class Engine:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[self.info["dtype"]]
         self.store = WeightStore(plan["weights"], model_dir, self.device)
-        batch = plan["batch"]["decode"]
-        self.b_e = int(expert_chunk or batch["b_e"])
-        self.b_a = int(attn_micro_batch or batch["b_a"])
+        # (b_a, b_e) per phase: a step that is mostly prompt tokens runs with the plan's prefill
+        # sizes, any other with its decode sizes (the arena was sized for both)
+        self._phase_sizes = {phase: (int(attn_micro_batch or plan["batch"][phase]["b_a"]),
+                                     int(expert_chunk or plan["batch"][phase]["b_e"]))
+                             for phase in ("decode", "prefill")}
+        self.b_a, self.b_e = self._phase_sizes["decode"]
         self.inv_freq_host = plan["rope"]["inv_freq"].float()
         self.rope_scaling = float(plan["rope"]["attention_scaling"])
         self.schedule = plan["schedule"]
@@ -187,6 +190,7 @@ class Engine:
         experts_before = self.stats.experts_run
         copy0 = (self.copy.copy_s, self.copy.wait_s, self.copy.bytes) if self.copy else (0.0, 0.0, 0)
         self._step_no += 1
+        self.b_a, self.b_e = self._phase_sizes["prefill" if 2 * b.prefill_tokens > b.T else "decode"]
         mbs = b.micro_batches(self.b_a, self.kv_staging.cap_blocks)
         for index, module in enumerate(self.schedule):
             kind = module["kind"]

@@ -274,7 +274,7 @@ def test_profile_quick_cli_writes_a_loadable_profile(tmp_path):
     p = resolve_hardware(str(out))
     assert p.source == "measured" and p.device_kind == "cpu" and p.cpu_cores >= 1
     assert p.device_memory_bytes > 10**8
-    assert set(p.curves) == {"gemm", "attention", "cpu_attention", "copy"}
+    assert set(p.curves) == {"gemm", "attention", "cpu_attention", "copy", "elementwise"}
     assert set(p.curves["copy"]) == {"h2d", "d2h"}
     for kind, per in p.curves.items():
         for key, pts in per.items():
@@ -326,3 +326,30 @@ def test_profile_model_option_measures_its_expert_shape(tmp_path):
     assert p.mlp_rate("float32", pts[-1][0], 64, 96) == pts[-1][1]
     bad = CliRunner().invoke(app, ["profile", "--quick", "--model", str(tmp_path / "nope"), "-o", str(out)])
     assert bad.exit_code != 0 and "cannot read hidden/intermediate sizes" in bad.output
+
+
+def test_elementwise_rate_uses_its_curve_else_a_share_of_memory_bandwidth():
+    p = HardwareProfile.from_json({**PRESETS["cpu"].to_json(),
+                                   "curves": {"elementwise": {"float32": [[1e6, 2e10], [1e8, 1e10]]}}})
+    assert p.elementwise_rate("float32", 1e8) == 1e10 and p.elementwise_rate("fp32", 1e9) == 1e10
+    assert 1e10 < p.elementwise_rate("float32", 1e7) < 2e10
+    assert p.elementwise_rate("bfloat16", 1e7) == 0.5 * p.device_bandwidth  # no curve for this dtype
+
+
+def test_elementwise_glue_is_counted_per_module():
+    """Norms, residual adds, rope and the expert gather/scatter are priced per token: a step's
+    attention and MoE times grow with them, and MLA queries count their latent width."""
+    from moecc.planner.costs import ELEMENTWISE_PASSES, elementwise_bytes
+    from moecc.ir import Node
+
+    H = 64
+    norm = Node("n", "rmsnorm", shape=("T", H))
+    assert elementwise_bytes(norm, 4, H) == ELEMENTWISE_PASSES["rmsnorm"] * H * 4
+    mha = Node("a", "attention", attrs={"num_heads": 4, "head_dim": 16})
+    mla = Node("a", "attention", attrs={"variant": "mla", "num_heads": 4, "head_dim": 8, "kv_lora_rank": 32,
+                                        "qk_rope_head_dim": 8})
+    assert elementwise_bytes(mha, 2, H) == ELEMENTWISE_PASSES["attention_q"] * 64 * 2
+    assert elementwise_bytes(mla, 2, H) == ELEMENTWISE_PASSES["attention_q"] * 4 * 40 * 2
+    experts = Node("e", "experts", attrs={"top_k": 2, "num_experts": 8, "intermediate_size": 32})
+    assert elementwise_bytes(experts, 4, H) == ELEMENTWISE_PASSES["experts"] * 2 * H * 4
+    assert elementwise_bytes(Node("k", "kv_load"), 4, H) == 0

@@ -78,8 +78,10 @@ def requests(prompts: list[list[int]], spec=REQUESTS) -> list[GenRequest]:
 class Run:
     """One generate() over a fresh engine, recording each step's work and every KVCacheFull."""
 
-    def __init__(self, plan, path, reqs, eos, *, kv_blocks=None, block_size=None, fill=GARBAGE, **kw):
-        self.engine = engine = Engine(plan, path, "cpu", expert_chunk=3, attn_micro_batch=2,
+    def __init__(self, plan, path, reqs, eos, *, kv_blocks=None, block_size=None, fill=GARBAGE,
+                 sizes=(3, 2), **kw):
+        b_e, b_a = sizes if sizes is not None else (None, None)  # None: the plan's own, per phase
+        self.engine = engine = Engine(plan, path, "cpu", expert_chunk=b_e, attn_micro_batch=b_a,
                                       kv_blocks=kv_blocks, block_size=block_size, record_steps=True)
         engine.info["eos_token_ids"] = [eos]
         # The pool is torch.empty: make its never-written contents deterministic (see GARBAGE)
@@ -91,6 +93,8 @@ class Run:
         self.errors: dict[str, str] = {}
         real_step = engine.step
 
+        self.sizes: list[tuple[int, int, int]] = []  # per step: (prompt rows, b_a, b_e) it ran with
+
         def step(work):
             snapshot = [(s.sid, s.cached, n, s.prompt_len) for s, n in work]
             try:
@@ -99,6 +103,7 @@ class Run:
                 self.full += 1
                 raise
             self.steps.append(snapshot)
+            self.sizes.append((sum(n for s, n in work if s.cached - n < s.prompt_len), engine.b_a, engine.b_e))
             return out
 
         engine.step = step
@@ -149,6 +154,21 @@ def test_refill_matches_transformers(plan, mixtral, reference, eos):
             assert len(work) == LIMIT, f"step {i} ran {len(work)} sequences with requests waiting"
     assert seen == set(range(len(reqs)))
     assert run.engine.stats.steps == len(run.steps)
+
+
+def test_prefill_steps_run_with_the_plans_prefill_sizes(plan, mixtral, reference, eos):
+    """The plan's per-phase sizes reach the runtime: a step that is mostly prompt tokens runs
+    attention micro-batches and expert chunks of the prefill b_a / b_e, any other step the
+    decode ones, and the output still matches transformers."""
+    path, _, prompts = mixtral
+    plan["batch"]["prefill"].update(b_a=1, b_e=5)
+    plan["batch"]["decode"].update(b_a=2, b_e=3)
+    reqs = requests(prompts)
+    run = Run(plan, path, reqs, eos, kv_blocks=64, sizes=None)
+    check_against_transformers(run, reqs, reference, eos)
+    total = [sum(n for _, _, n, _ in w) for w in run.steps]
+    phases = {(2 * pre > t, b_a, b_e) for (pre, b_a, b_e), t in zip(run.sizes, total)}
+    assert phases == {(True, 1, 5), (False, 2, 3)}, phases
 
 
 def test_tiny_pool_chunked_prefill_and_preemption(plan, mixtral, reference, eos):

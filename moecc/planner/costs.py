@@ -28,6 +28,8 @@ class LayerCost:
     top_k: int = 0
     dense_bytes: int = 0  # dense MLP / shared expert weights and the MoE module's norms
     dense_flops: int = 0  # per token
+    attn_elem_bytes: int = 0  # per token: activation bytes the attention module's non-GEMM ops touch
+    ffn_elem_bytes: int = 0  # per token: the same for the MoE / MLP module
 
     @property
     def moe(self) -> bool:
@@ -43,6 +45,7 @@ class ModelCost:
     stem_bytes: int  # embedding
     head_bytes: int  # final norm + lm_head
     head_flops: int  # per token reaching the head
+    head_elem_bytes: int  # per token reaching the head: its norm's activation traffic
     kv_bytes_per_token: int  # all layers
     act_bytes_per_token: int  # largest activation row an expert chunk holds at once
     buffer_bytes_per_token: int  # host buffers alive in one step, per row
@@ -61,26 +64,67 @@ class ModelCost:
                    + [self.head_bytes], default=0)
 
 
+#: Passes over a row that each non-GEMM op makes, in elements of the row's width (reads
+#: plus writes, as the runtime's kernels do them: rmsnorm = square, mean, scale, weight;
+#: attention = rope on q and k (negate, concatenate, two products, sum: 12 passes), the
+#: K/V store to the host and scatter into the device buffer, and its output; experts = gathering each chosen row, weighting and adding it back).
+#: Priced at the profile's measured elementwise rate (`moecc profile` times the runtime's
+#: rmsnorm + residual add with the same counting), so the constants cancel to first order.
+ELEMENTWISE_PASSES: dict[str, int] = {"rmsnorm": 6, "add": 3, "mul": 3, "sigmoid": 2, "router": 4,
+                                      "attention_q": 14, "attention_kv": 12, "experts": 8, "mlp": 4,
+                                      "host_buffer": 4}
+
+
+def elementwise_bytes(n, itemsize: int, hidden: int) -> int:
+    """Activation bytes per token that node `n`'s non-GEMM work reads and writes (see
+    ELEMENTWISE_PASSES; the attention's K/V part is added per layer from its KV width)."""
+    width = n.shape[-1] if n.shape and isinstance(n.shape[-1], int) else hidden
+    a, p = n.attrs, ELEMENTWISE_PASSES
+    if n.op in ("rmsnorm", "add", "mul", "sigmoid"):
+        return p[n.op] * width * itemsize
+    if n.op == "host_buffer":
+        return p["host_buffer"] * int(a.get("bytes_per_token", 0))
+    if n.op == "attention":
+        per_head = (int(a["kv_lora_rank"]) + int(a["qk_rope_head_dim"]) if a.get("variant") == "mla"
+                    else int(a.get("head_dim", 0)))  # MLA's absorbed queries span latent + rope key
+        q = int(a.get("num_heads", 0)) * per_head
+        return p["attention_q"] * q * itemsize
+    if n.op == "router":
+        return p["router"] * int(a.get("num_experts", 0)) * itemsize
+    if n.op == "experts":
+        return p["experts"] * int(a["top_k"]) * hidden * itemsize
+    if n.op == "mlp":
+        return p["mlp"] * int(a["intermediate_size"]) * itemsize
+    return 0
+
+
 def model_cost(graph: Graph) -> ModelCost:
     info = graph.info
+    itemsize, H = DTYPE_BYTES[info.dtype], info.hidden_size
     layers = {i: LayerCost(i) for i in range(info.num_layers)}
-    stem = head = head_flops = 0
+    stem = head = head_flops = head_elem = 0
     inter = 0
     buffers = 0
     for n in graph.nodes:
         if n.op == "host_buffer":
             buffers += int(n.attrs.get("bytes_per_token", 0))
-            continue
         if n.module == "stem":
             stem += n.weight_bytes
             continue
         if n.module == "head":
             head += n.weight_bytes
             head_flops += n.flops_per_token
+            head_elem += elementwise_bytes(n, itemsize, H)
             continue
         if n.layer is None:
             continue
         lc = layers[n.layer]
+        if n.module is not None and n.module.endswith(".attn"):
+            lc.attn_elem_bytes += elementwise_bytes(n, itemsize, H)
+        else:
+            lc.ffn_elem_bytes += elementwise_bytes(n, itemsize, H)
+        if n.op == "host_buffer":
+            continue
         if n.op == "kv_load":
             lc.kv_bytes_per_ctx += int(n.attrs["bytes_per_ctx_token"])
         elif n.op == "attention":
@@ -107,10 +151,12 @@ def model_cost(graph: Graph) -> ModelCost:
         elif n.weights or n.flops_per_token:
             lc.dense_bytes += n.weight_bytes
             lc.dense_flops += n.flops_per_token
-    H = info.hidden_size
+    for lc in layers.values():
+        lc.attn_elem_bytes += ELEMENTWISE_PASSES["attention_kv"] * lc.kv_bytes_per_ctx
     return ModelCost(
-        dtype=info.dtype, itemsize=DTYPE_BYTES[info.dtype], hidden=H, layers=[layers[i] for i in sorted(layers)],
-        stem_bytes=stem, head_bytes=head, head_flops=head_flops, kv_bytes_per_token=info.kv_bytes_per_token,
+        dtype=info.dtype, itemsize=itemsize, hidden=H, layers=[layers[i] for i in sorted(layers)],
+        stem_bytes=stem, head_bytes=head, head_flops=head_flops, head_elem_bytes=head_elem,
+        kv_bytes_per_token=info.kv_bytes_per_token,
         act_bytes_per_token=(2 * H + 3 * inter) * 4, buffer_bytes_per_token=buffers,
         weight_bytes=graph.weight_bytes, head_dim=info.head_dim, max_context=info.max_position_embeddings,
     )

@@ -41,6 +41,8 @@ class Rates(Protocol):
 
     def copy_rate(self, direction: str, nbytes: float) -> float: ...
 
+    def elementwise_rate(self, dtype: str, nbytes: float) -> float: ...
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -133,6 +135,12 @@ def expert_seconds(rates: Rates, dtype: str, flops_per_row: float, n: float, chu
                   + gemm_seconds(rates, dtype, flops_per_row, hi, chunk, mlp)) * n / ((lo + hi) / 2)
 
 
+def elementwise_seconds(rates: Rates, dtype: str, bytes_per_row: float, rows: float) -> float:
+    """The non-GEMM glue of a module (norms, residual adds, rope, row gathers) over `rows`."""
+    nbytes = bytes_per_row * rows
+    return nbytes / rates.elementwise_rate(dtype, nbytes) if nbytes > 0 else 0.0
+
+
 def mlp_shape(lc: LayerCost, rates: Rates) -> tuple[int, int] | None:
     """(H, I) of the layer's experts, from their FLOPs (6 H I per row) and intermediate size."""
     if not lc.expert_inter:
@@ -161,7 +169,8 @@ def attn_micro_seconds(lc: LayerCost, rates: Rates, dtype: str, s_m: float, t_m:
     if gather and kv > 0:  # the compute thread's own copy: at host memory speed on a CPU
         rate = rates.host_bandwidth / 2 if rates.device_kind == "cpu" else rates.copy_rate("h2d", kv)
         get = kv / rate + OP_OVERHEAD_S
-    return proj + att + put + get + 12 * OP_OVERHEAD_S
+    glue = elementwise_seconds(rates, dtype, lc.attn_elem_bytes, t_m)
+    return proj + att + put + get + glue + 12 * OP_OVERHEAD_S
 
 
 def attn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, shape: StepShape, b_a: int,
@@ -172,7 +181,8 @@ def attn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, shape: StepShape
 
 def ffn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, b_e: int) -> float:
     """Router plus every expert in use over its tokens in chunks of b_e (or the dense MLP)."""
-    t = gemm_seconds(rates, dtype, lc.router_flops, T, max(1, int(T))) + 6 * OP_OVERHEAD_S
+    t = (gemm_seconds(rates, dtype, lc.router_flops, T, max(1, int(T))) + 6 * OP_OVERHEAD_S
+         + elementwise_seconds(rates, dtype, lc.ffn_elem_bytes, T))
     if lc.moe:
         used = experts_in_use(lc, T)
         per_expert = T * lc.top_k / max(used, 1e-9)
@@ -182,7 +192,8 @@ def ffn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, b_e: in
 
 
 def head_seconds(cost: ModelCost, rates: Rates, rows: int) -> float:
-    return gemm_seconds(rates, cost.dtype, cost.head_flops, rows, max(1, rows)) + 4 * OP_OVERHEAD_S
+    return (gemm_seconds(rates, cost.dtype, cost.head_flops, rows, max(1, rows)) + 4 * OP_OVERHEAD_S
+            + elementwise_seconds(rates, cost.dtype, cost.head_elem_bytes, rows))
 
 
 def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs) -> Schedule:
@@ -237,7 +248,7 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
             attn_jobs.append(a)
             all_attn.append(a)
         prev = add(f"L{i}.router", "compute", gemm_seconds(rates, dt, lc.router_flops, T, max(1, T))
-                   + 6 * OP_OVERHEAD_S, "gemm", attn_jobs, i)
+                   + 6 * OP_OVERHEAD_S + elementwise_seconds(rates, dt, lc.ffn_elem_bytes, T), "gemm", attn_jobs, i)
         if lc.moe:
             used = experts_in_use(lc, T)
             n_jobs = max(1, int(math.ceil(used - 1e-9)))
