@@ -15,7 +15,10 @@ Steps, all in one run:
      tokens/s (prompt tokens / time of the steps that are mostly prompt tokens), the job's
      first step left out of both (first touch of the weights), against the plan's
      predicted figures (for hand-set plans, the planner's model re-evaluated for them);
-  4. prints a table (predicted, measured, error) and the mean absolute error, and writes JSON.
+     every plan runs --repeats times, in rounds of alternating order, and its measured rates
+     are the medians (a drift of this shared machine's speed then hits every plan alike);
+  4. prints a table (predicted, measured, error) and the mean absolute error, the planner's
+     margin over each hand-set plan and the run-to-run spread, and writes JSON.
 The planner's choice should beat every hand-set configuration in measured job tokens/s.
 """
 
@@ -27,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 from typing import Any
 
 import torch
@@ -164,11 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="128 prompts, 32 output tokens, quick profile")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds over all plans, alternating order")
+    ap.add_argument("--quick", action="store_true", help="128 prompts, 32 output tokens, quick profile, 1 round")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     if a.quick:
-        a.prompts, a.output_tokens = 128, 32
+        a.prompts, a.output_tokens, a.repeats = 128, 32, 1
     a.work.mkdir(parents=True, exist_ok=True)
     model = a.model or build_model(a.work)
     cfg = json.loads((model / "config.json").read_text())
@@ -229,19 +233,29 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"name": name, "kind": "hand", "path": path, "gpu_mem": rows[0]["gpu_mem"],
                      "batch": plan["batch"], "arena": plan.get("arena"),
                      "predicted": predicted_for(plan, model, hw)})
-    from moecc.hardware import resolve_hardware
-
     probe = SpeedProbe(load_plan(rows[0]["path"]), model)
     # the reference: the probe right before the first run (its own method; measured against the
     # profile's curve it read 8-20% high, so it is compared only with itself)
     profiled = probe.rate(2.0)
-    for r in rows:
-        print(f"running {r['name']} ...", file=sys.stderr)
-        before = probe.rate()
-        r["measured"] = run_plan(r["path"], prompts_path, a.work, r["path"].stem)
-        after = probe.rate()
-        r["machine_speed"] = {"before": before / profiled, "after": after / profiled,
-                              "factor": (before + after) / 2 / profiled}
+    # rounds in alternating order (forward, backward, ...): a drift of the machine's speed over
+    # the run (measured: +-25% within minutes) then hits every plan about equally; each
+    # plan's measured rates are the median over its rounds
+    runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(rows))}
+    speeds: dict[int, list[float]] = {i: [] for i in range(len(rows))}
+    for rnd in range(a.repeats):
+        order = range(len(rows)) if rnd % 2 == 0 else reversed(range(len(rows)))
+        for i in order:
+            r = rows[i]
+            print(f"round {rnd + 1}/{a.repeats}: running {r['name']} ...", file=sys.stderr)
+            before = probe.rate()
+            runs[i].append(run_plan(r["path"], prompts_path, a.work, f"{r['path'].stem}-{rnd}"))
+            speeds[i].append((before + probe.rate()) / 2 / profiled)
+    for i, r in enumerate(rows):
+        r["runs"] = runs[i]
+        r["measured"] = {k: median([m[k] for m in runs[i]]) for k in runs[i][0]
+                         if all(isinstance(m[k], (int, float)) and not isinstance(m[k], bool) for m in runs[i])}
+        r["measured"]["peak_device_bytes"] = max(m["peak_device_bytes"] for m in runs[i])
+        r["machine_speed"] = {"per_round": speeds[i], "factor": median(speeds[i])}
         r["path"] = str(r["path"])
     errors, raw_errors = [], []
     print(f"\n{'plan':44s} {'B':>5s} {'b_a':>5s} {'b_e':>5s} {'tps':>5s} | {'phase':7s} {'predicted':>9s} "
@@ -266,23 +280,33 @@ def main(argv: list[str] | None = None) -> int:
                   f"{raw if raw is not None else float('nan'):+7.1%}")
     mae, raw_mae = mean(errors), mean(raw_errors)
 
-    def norm(r: dict[str, Any]) -> float:  # job tokens/s at the profile's machine speed
-        return r["measured"]["job_tokens_per_s"] / r["machine_speed"]["factor"]
+    def norm(r: dict[str, Any]) -> float:  # median job tokens/s over the alternating rounds
+        return r["measured"]["job_tokens_per_s"]
 
     best = max(rows, key=norm)
     planner_best = max((r for r in rows if r["kind"] == "planner"), key=norm)
     chosen = rows[0]
     beats = all(norm(chosen) >= norm(r) for r in rows if r["kind"] == "hand")
+
+    def spread(r: dict[str, Any]) -> float:  # run-to-run spread of its job tok/s, relative
+        js = [m["job_tokens_per_s"] for m in r["runs"]]
+        return (max(js) - min(js)) / median(js)
+
+    noise = median(spread(r) for r in rows)
+    margins = {r["name"]: norm(chosen) / norm(r) - 1 for r in rows if r["kind"] == "hand"}
     within = all(r["measured"]["peak_device_bytes"] <= r["gpu_mem"] for r in rows if r["gpu_mem"])
     print(f"peak arena bytes within --gpu-mem for every budgeted plan: {within}")
     print(f"machine speed during the runs, relative to the profile: "
           f"{min(r['machine_speed']['factor'] for r in rows):.2f}..{max(r['machine_speed']['factor'] for r in rows):.2f}")
     print(f"\nmean absolute error of predicted prefill and decode tokens/s: {raw_mae:.1%} raw, {mae:.1%} scaled "
           f"by the speed probe, over {len(errors)} figures")
-    print(f"fastest measured (speed-normalised job tok/s): {best['name']}; the planner's choice ({chosen['name']}) "
+    print(f"run-to-run spread of job tok/s (median over plans): {noise:.1%}; the planner's choice against each "
+          f"hand-set one: " + ", ".join(f"{m:+.1%}" for m in margins.values()))
+    print(f"fastest measured (median job tok/s): {best['name']}; the planner's choice ({chosen['name']}) "
           f"{'beats' if beats else 'does NOT beat'} every hand-set configuration on its budget")
     out = a.json or a.work / "predict.json"
     out.write_text(json.dumps({"rows": rows, "mae": mae, "raw_mae": raw_mae, "planner_beats_hand_set": beats,
+                               "margins_over_hand_set": margins, "run_to_run_spread": noise,
                                "peak_within_budget": within,
                                "best_planner": planner_best["name"], "torch": torch.__version__}, indent=1) + "\n")
     print(f"wrote {out}")

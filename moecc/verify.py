@@ -29,8 +29,11 @@ def verify_graph(g: Graph) -> list[str]:
         if n.op == "experts":
             if len(n.inputs) < 2 or nodes.get(n.inputs[1]) is None or nodes[n.inputs[1]].op != "router":
                 problems.append(f"%{n.name}: experts must take (hidden, router) as first inputs")
-            if len(n.weights) != 3 * g.info.num_experts:
-                problems.append(f"%{n.name}: expected {3 * g.info.num_experts} expert weights, has {len(n.weights)}")
+            parts = n.attrs.get("parts", ("gate", "up", "down"))
+            want = {f"e{e}.{p}" for e in range(g.info.num_experts) for p in parts}
+            if set(n.weights) != want:
+                problems.append(f"%{n.name}: expected {len(want)} expert weights (e0..e{g.info.num_experts - 1} x "
+                                f"{', '.join(parts)}), has {len(n.weights)}")
         if n.op == "attention" and n.attrs.get("variant") != "mla" and not {"q", "k", "v", "o"} <= set(n.weights):
             problems.append(f"%{n.name}: attention without q/k/v/o weights")
         if n.op == "attention" and n.attrs.get("variant") == "mla" and not (

@@ -338,7 +338,7 @@ class Engine:
         if kind == "experts":
             top_w, top_i = x[1]
             out, used = kernels.experts(x[0], top_w, top_i, lambda es: self.weights.experts(op, es),
-                                        a["num_experts"], a["act"], self.b_e)
+                                        a["num_experts"], kernels.expert_mlp(a), self.b_e)
             self.stats.experts_run += used
             return out
         if kind == "mlp":
@@ -391,20 +391,26 @@ class Engine:
             vbuf = kbuf[..., :a["kv_lora_rank"]]
         Hkv, D, Dv = kbuf.shape[0], kbuf.shape[-1], vbuf.shape[-1]
         Hq = q.shape[1]
+        sinks = w.get("sinks")  # gpt-oss: one extra softmax logit per query head [Hq]
         G = Hq // Hkv
         out = torch.empty((x.shape[0], Hq * Dv), dtype=q.dtype, device=q.device)  # [t, Hq*Dv]
         for g in view.decode_groups:
             kg = kbuf[:, g.first:g.first + g.S * g.n].reshape(Hkv, g.S, g.n * kbuf.shape[2], D)  # [Hkv, S, c, D]
             vg = vbuf[:, g.first:g.first + g.S * g.n].reshape(Hkv, g.S, g.n * kbuf.shape[2], Dv)
             qg = q[g.rows].view(g.S, Hkv, G, D).transpose(0, 1)  # [Hkv, S, G, D]
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask.to(q.device)[None, :, None, :],
-                                               scale=a["scaling"])  # [Hkv, S, G, Dv]
+            if sinks is None:
+                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask.to(q.device)[None, :, None, :],
+                                                   scale=a["scaling"])  # [Hkv, S, G, Dv]
+            else:  # [S, Hkv, G, 1, D] queries over [S, Hkv, 1, c, D] keys
+                o = kernels.sink_attention(qg.transpose(0, 1)[:, :, :, None], kg.transpose(0, 1)[:, :, None],
+                                           vg.transpose(0, 1)[:, :, None], g.mask.to(q.device)[:, None, None, None, :],
+                                           a["scaling"], sinks)[:, :, :, 0].transpose(0, 1)
             out[g.rows.to(q.device)] = o.transpose(0, 1).reshape(g.S, -1)
         for p in view.prefill:
             c = p.start + (p.hi - p.lo)  # context after this chunk
             ks = kbuf[:, p.first:p.first + p.nblocks].reshape(Hkv, -1, D)[:, :c]  # [Hkv, c, D]
             vs = vbuf[:, p.first:p.first + p.nblocks].reshape(Hkv, -1, Dv)[:, :c]
-            out[p.lo:p.hi] = kernels.attend(q[p.lo:p.hi], ks, vs, p.start, a)
+            out[p.lo:p.hi] = kernels.attend(q[p.lo:p.hi], ks, vs, p.start, a, sinks)
         if finish is not None:
             return finish(out)
         return kernels.linear(out, w["o"], w.get("o_bias"))

@@ -2,7 +2,8 @@
 
 Legend: T = tokens in this call, H = hidden size, I = expert/MLP intermediate size,
 E = experts, k = experts per token, V = vocabulary, n = query tokens of one sequence,
-c = context tokens of one sequence, Hq / Hkv = query / key-value heads, D = head dim.
+c = context tokens of one sequence, Hq / Hkv = query / key-value heads, G = Hq / Hkv,
+B = sequences in one call, D = head dim.
 Numerics follow transformers' eager modules (norms in fp32, routing softmax in fp32).
 """
 
@@ -113,9 +114,33 @@ def mla_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: torch.Te
     return query, key, value, finish
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, a: dict) -> torch.Tensor:
+def sink_softmax(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax over each row of `scores` plus one extra logit per head (gpt-oss's attention
+    sink) that takes probability mass but has no value; the sink's column is dropped.
+    scores: [..., c] (masked positions -inf)  sink: broadcastable to [..., 1] -> [..., c]"""
+    combined = torch.cat([scores, sink.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)  # [..., c+1]
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                   scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks, written out (SDPA has no extra logit). q: [B, Hkv, G, n, D],
+    k: [B, Hkv, 1, c, D], v: [B, Hkv, 1, c, Dv], allowed: bool, broadcastable to
+    [B, Hkv, G, n, c], sinks: [Hkv*G] (query head h = kv head h // G) -> [B, Hkv, G, n, Dv]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hkv, G, n, c]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    Hkv, G = q.shape[1], q.shape[2]
+    probs = sink_softmax(scores, sinks.view(1, Hkv, G, 1, 1))
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, a: dict,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's n new queries at positions start..start+n-1 over
-    its cache (which already holds their K/V). q: [n, Hq, D]; caches: [Hkv, c, D] -> [n, Hq*D]."""
+    its cache (which already holds their K/V), with gpt-oss's `sinks` [Hq] when given.
+    q: [n, Hq, D]; caches: [Hkv, c, D] -> [n, Hq*D]."""
     n = q.shape[0]
     c = start + n
     window = a.get("sliding_window")
@@ -132,6 +157,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start:
         mask = allowed[None, None]
     elif n > 1:
         causal = True
+    if sinks is not None:
+        Hkv = k_cache.shape[0]
+        G = q.shape[1] // Hkv
+        if causal:
+            allowed = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(diagonal=c - n)
+        else:
+            allowed = mask[0, 0] if mask is not None else None  # [n, c]
+        qg = q.view(n, Hkv, G, -1).permute(1, 2, 0, 3)[None]  # [1, Hkv, G, n, D]
+        o = sink_attention(qg, k_cache[None, :, None, :c], v_cache[None, :, None, :c], allowed, a["scaling"], sinks)
+        return o[0].permute(2, 0, 1, 3).reshape(n, -1)  # [n, Hq*Dv]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
                                          scale=a["scaling"], enable_gqa=True)  # [1, Hq, n, D]
     return out[0].transpose(0, 1).reshape(n, -1)
@@ -145,6 +180,9 @@ def route(x: torch.Tensor, w: torch.Tensor, a: dict, bias: torch.Tensor | None =
     expert), scaled. `a["scoring"]` "sigmoid" is DeepSeek-V3's: see route_grouped."""
     if a.get("scoring", "softmax") == "sigmoid":
         return route_grouped(x, w, a, bias)
+    if a.get("scoring") == "topk_softmax":  # gpt-oss: biased logits, top-k, softmax over those k
+        top_v, top_i = torch.topk(linear(x, w, bias), a["top_k"], dim=-1)  # [T, k]
+        return torch.softmax(top_v, dim=-1, dtype=top_v.dtype), top_i
     if "routed_scaling_factor" in a:  # DeepSeek-V2 routes in fp32
         logits = F.linear(x.float(), w.float())  # [T, E]
     else:
@@ -192,19 +230,52 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
     return linear(h, down)
 
 
+def clamped_swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
+                       down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert: x @ gate_up + b with gate and up interleaved (even / odd columns),
+    gate clamped above and up on both sides at `limit`, (up + 1) * gate * sigmoid(alpha * gate),
+    then @ down + b. x: [T, H]  gate_up: [H, 2I]  gate_up_bias: [2I]  down: [I, H] -> [T, H]"""
+    gu = x @ gate_up + gate_up_bias  # [T, 2I]
+    gate, up = gu[..., ::2].clamp(max=limit), gu[..., 1::2].clamp(min=-limit, max=limit)  # [T, I]
+    return ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ down + down_bias
+
+
+#: An expert's MLP over its rows: (x [c, H], the expert's weights in `expert_parts` order) -> [c, H]
+ExpertMLP = Callable[[torch.Tensor, tuple], torch.Tensor]
+
+
+def expert_parts(a: dict) -> tuple[str, ...]:
+    """The per-expert weights an experts op holds, in the order its MLP takes them."""
+    return tuple(a.get("parts", ("gate", "up", "down")))
+
+
+def expert_mlp(a: dict) -> ExpertMLP:
+    """The MLP every expert of an experts op with attributes `a` runs."""
+    if a["act"] == "clamped_swiglu":
+        alpha, limit = float(a["swiglu_alpha"]), float(a["swiglu_limit"])
+        return lambda x, w: clamped_swiglu_mlp(x, *w, alpha, limit)
+    act = a["act"]
+    return lambda x, w: gated_mlp(x, *w, act)
+
+
 def experts(
     x: torch.Tensor,
     top_w: torch.Tensor,
     top_i: torch.Tensor,
-    fetch: Callable[[list[int]], Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+    fetch: Callable[[list[int]], Iterable[tuple[torch.Tensor, ...]]],
     num_experts: int,
-    act: str,
+    mlp: str | ExpertMLP,
     chunk: int,
 ) -> tuple[torch.Tensor, int]:
     """Run every expert over all tokens routed to it, in chunks of at most `chunk` tokens,
     one expert after another; experts no token chose are skipped (never fetched).
-    `fetch(used)` yields (gate, up, down) for each used expert in order (it may prefetch
-    ahead: it learns the whole list first). x: [T, H]  top_w/top_i: [T, k] -> ([T, H], experts run)."""
+    `fetch(used)` yields each used expert's weights in order (it may prefetch ahead: it
+    learns the whole list first); `mlp` is what an expert computes from them (an activation
+    name: the gated MLP over (gate, up, down); see expert_mlp).
+    x: [T, H]  top_w/top_i: [T, k] -> ([T, H], experts run)."""
+    if isinstance(mlp, str):
+        act = mlp
+        mlp = lambda rows, w: gated_mlp(rows, *w, act)  # noqa: E731
     T, k = top_i.shape
     out = torch.zeros_like(x)  # [T, H]
     flat = top_i.reshape(-1)  # [T*k]
@@ -219,13 +290,13 @@ def experts(
     used = [e for e, count in enumerate(counts) if count]
     weights = iter(fetch(used))
     try:
-        for (gate, up, down), e in zip(weights, used):  # the fetcher first: it sees its own end
+        for w, e in zip(weights, used):  # the fetcher first: it sees its own end
             count = counts[e]
             slots = order[starts[e]:starts[e] + count]  # [c]
             for s in range(0, count, chunk):
                 sl = slots[s:s + chunk]
                 tok = sl // k  # [c] token of each slot
-                y = gated_mlp(x[tok], gate, up, down, act)  # [c, H]
+                y = mlp(x[tok], w)  # [c, H]
                 y.mul_(flat_w[sl, None])
                 out.index_add_(0, tok, y.to(out.dtype))
     finally:

@@ -23,12 +23,13 @@ from typing import Any, Iterator
 
 import torch
 
+from moecc_runtime import kernels
 from moecc_runtime.arena import ALIGN, ArenaError, DeviceArena, Region, align
 from moecc_runtime.copy_engine import CopyEngine, CopyError, Ticket
 from moecc_runtime.kv import PagedKVCache
 from moecc_runtime.weights import WeightError, WeightStore
 
-ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up, down
+ExpertWeights = tuple[torch.Tensor, ...]  # in kernels.expert_parts order: gate, up, down (or gpt-oss's four)
 
 
 def module_group(module: dict) -> str | None:
@@ -48,7 +49,8 @@ def dense_keys(module: dict) -> list[str]:
 
 
 def expert_keys(op: dict, e: int) -> list[str]:
-    return [op["weights"][f"e{e}.{part}"] for part in ("gate", "up", "down")]
+    """Plan weight keys of expert `e` of an experts op, in the order its MLP takes them."""
+    return [op["weights"][f"e{e}.{part}"] for part in kernels.expert_parts(op["attrs"])]
 
 
 class InPlaceWeights:

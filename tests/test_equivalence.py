@@ -19,7 +19,7 @@ NEW_TOKENS = 10
 CASES = [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen3_moe", "per_expert"), ("qwen3_moe", "fused"),
          ("qwen2_moe", "per_expert"), ("qwen2_moe", "fused"), ("olmoe", "per_expert"), ("olmoe", "fused"),
          ("deepseek_v2", "per_expert"), ("deepseek_v2", "fused"), ("deepseek_v3", "per_expert"),
-         ("deepseek_v3", "fused")]
+         ("deepseek_v3", "fused"), ("gpt_oss", "per_expert")]  # gpt-oss publishes fused tensors only
 
 
 def _prompts(n: int = 18) -> list[str]:

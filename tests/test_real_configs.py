@@ -16,7 +16,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 # published total parameters (model cards), weights counted in the config's bf16
 # (mixtral-8x22b: tests/test_frontend.py; deepseek-v3, 671B: tests/test_deepseek_plan.py)
 PUBLISHED = {"mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235e9, "olmoe-1b-7b": 6.9e9,
-             "deepseek-v2-lite": 15.7e9, "deepseek-v2": 236e9}
+             "deepseek-v2-lite": 15.7e9, "deepseek-v2": 236e9, "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -36,3 +36,19 @@ def test_real_config_compiles_and_counts_match(name):
     assert p["decode_tokens_per_s"] > 0 and p["prefill_tokens_per_s"] > 0 and p["bottleneck"]["decode"]
     assert plan["arena"]["bytes"] <= parse_size("24GB")
     assert plan["model"]["fingerprint"]["weight_files"] == {}  # config only: for planning, exec refuses it
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_gpt_oss_layers_alternate_sliding_and_full_attention(name):
+    """layer_types decides each layer's window (128 on sliding layers, none on full ones);
+    every attention carries its sinks and every router its bias."""
+    from moecc.frontend.trace import build_graph
+
+    cfg = json.loads((CONFIGS / name / "config.json").read_text())
+    g, _ = build_graph(CONFIGS / name)
+    attn = sorted((n for n in g.nodes if n.op == "attention"), key=lambda n: n.layer)
+    assert [n.attrs.get("sliding_window") for n in attn] == [
+        cfg["sliding_window"] if t == "sliding_attention" else None for t in cfg["layer_types"]]
+    assert all("sinks" in n.weights for n in attn)
+    routers = [n for n in g.nodes if n.op == "router"]
+    assert all("bias" in n.weights and n.attrs["scoring"] == "topk_softmax" for n in routers)

@@ -16,6 +16,7 @@ from moecc_runtime import streaming
 from moecc_runtime.arena import ArenaError, DeviceArena
 from moecc_runtime.copy_engine import CopyEngine, CopyError
 from moecc_runtime.exec import run_job
+from moecc_runtime.generate import GenRequest
 from moecc_runtime.plan import save_plan
 from moecc_runtime.weights import WeightError, WeightStore
 
@@ -175,3 +176,20 @@ def test_max_batch_above_the_arena_plan_is_refused_before_running(mixtral, tmp_p
         run_job(path, tmp_path / "in.jsonl", f, max_batch=B + 1, log=None)
     with open(tmp_path / "out.jsonl", "w") as f:
         assert run_job(path, tmp_path / "in.jsonl", f, max_batch=B, log=None).succeeded == 1
+
+
+def test_gpt_oss_streamed_through_slots_matches_transformers(checkpoints, hf_models):  # noqa: F811
+    """gpt-oss's experts (four tensors each: gate_up, its bias, down, its bias) and its
+    attention with sinks stream through the arena's slots and stay token-identical."""
+    from test_equivalence import NEW_TOKENS, _prompts, _reference, _run_moecc
+
+    path = checkpoints("gpt_oss", "per_expert")
+    model, tok = hf_models(path)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    plan, _ = compile_model(path, prompt_tokens=24, output_tokens=8, max_batch=4, gpu_mem=int(weights * 0.8))
+    lay = plan["arena"]
+    assert lay is not None and not {"L0.experts", "L1.experts"} <= set(lay["resident"])
+    reqs = [GenRequest(str(i), tok(p)["input_ids"], NEW_TOKENS) for i, p in enumerate(_prompts(6))]
+    got = _run_moecc(plan, path, reqs, max_batch=4)
+    for r in reqs:
+        assert got[r.key].token_ids == _reference(model, r.prompt_ids, NEW_TOKENS)[0], r.key

@@ -28,10 +28,11 @@ from moecc.frontend.weights import WeightResolver
 from moecc.ir import Graph, ModelInfo, Node
 
 SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                           "OlmoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                           "OlmoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                       "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                       "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                       "gpt_oss": "GptOssForCausalLM"}
 _STATIC_ROPE = ("default", "linear", "yarn", "llama3")
 
 
@@ -362,7 +363,10 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
         weights = {"weight": r.tensor(f"{path}.weight", (E, H))}
         attrs: dict[str, Any] = {"num_experts": E, "top_k": k, "scoring": "softmax", "norm_topk_prob": norm,
                                  "weights_in_model_dtype": _router_casts_weights(mod, H)}
-        if hasattr(mod, "e_score_correction_bias"):  # DeepSeek-V3: sigmoid scores, group-limited top-k
+        if isinstance(getattr(mod, "bias", None), nn.Parameter):  # gpt-oss: biased logits, softmax over the top k
+            weights["bias"] = r.tensor(f"{path}.bias", (E,))
+            attrs.update(scoring="topk_softmax", norm_topk_prob=True)
+        elif hasattr(mod, "e_score_correction_bias"):  # DeepSeek-V3: sigmoid scores, group-limited top-k
             weights["bias"] = r.tensor(f"{path}.e_score_correction_bias", (E,))
             attrs.update(scoring="sigmoid", num_groups=int(mod.num_group), topk_groups=int(mod.topk_group),
                          routed_scaling_factor=float(mod.routed_scaling_factor))
@@ -381,12 +385,21 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
         if router_name is None:
             raise FrontendError(idx, n.name, "experts must be called as experts(hidden, top_k_index, "
                                 "top_k_weights) with both coming from the layer's router")
-        E, I2, _ = mod.gate_up_proj.shape
-        inter = I2 // 2
+        if hasattr(mod, "gate_up_proj_bias"):  # gpt-oss: [E, H, 2I] interleaved gate/up, biases, clamped SwiGLU
+            E, _, I2 = mod.gate_up_proj.shape
+            inter = I2 // 2
+            weights = r.experts_with_bias(path, E, H, inter)
+            attrs = {"num_experts": E, "intermediate_size": inter, "top_k": info.top_k, "act": "clamped_swiglu",
+                     "swiglu_alpha": float(mod.alpha), "swiglu_limit": float(mod.limit),
+                     "parts": ["gate_up", "gate_up_bias", "down", "down_bias"]}
+        else:
+            E, I2, _ = mod.gate_up_proj.shape
+            inter = I2 // 2
+            weights = r.experts(path, E, H, inter)
+            attrs = {"num_experts": E, "intermediate_size": inter, "top_k": info.top_k,
+                     "act": info.extra["hidden_act"]}
         g.add(Node(name, "experts", [tensor_input(n.args[0], n), router_name], role="experts", layer=idx,
-                   shape=("T", H), weights=r.experts(path, E, H, inter),
-                   attrs={"num_experts": E, "intermediate_size": inter, "top_k": info.top_k,
-                          "act": info.extra["hidden_act"]},
+                   shape=("T", H), weights=weights, attrs=attrs,
                    flops_per_token=info.top_k * 6 * H * inter, source=path))
         return _Ref("node", name)
     if role == "mlp":
@@ -514,7 +527,13 @@ def _lower_attention(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n
     clip = getattr(mod.config, "clip_qkv", None)
     if clip is not None:
         attrs["clip_qkv"] = float(clip)
-    window = getattr(mod, "sliding_window", None) or getattr(mod.config, "sliding_window", None)
+    if hasattr(mod, "sliding_window"):  # per layer (gpt-oss, Qwen2-MoE: None on full-attention layers)
+        window = mod.sliding_window
+    else:
+        window = getattr(mod.config, "sliding_window", None)
+    sinks = getattr(mod, "sinks", None)
+    if isinstance(sinks, nn.Parameter):  # gpt-oss: one extra softmax logit per query head
+        w["sinks"] = r.tensor(f"{path}.sinks", (nq,))
     if window:
         attrs["sliding_window"] = int(window)
     flops = 2 * H * (nq + 2 * nkv) * hd + 2 * nq * hd * H

@@ -99,6 +99,28 @@ class WeightResolver:
             f"(with aliases {self.aliases or 'none'})"
         )
 
+    def experts_with_bias(self, prefix: str, num_experts: int, hidden: int, inter: int) -> dict[str, WeightRef]:
+        """gpt-oss's experts, as transformers writes them and as the bf16 releases publish them:
+        per expert gate_up [H, 2I] (x @ gate_up; gate and up interleaved by column), its bias
+        [2I], down [I, H] and its bias [H]; each a dim-0 slice of the fused tensor."""
+        shapes = {"gate_up": (hidden, 2 * inter), "gate_up_bias": (2 * inter,), "down": (inter, hidden),
+                  "down_bias": (hidden,)}
+        names = {part: f"{prefix}.{part}_proj" if not part.endswith("_bias") else
+                 f"{prefix}.{part.removesuffix('_bias')}_proj_bias" for part in shapes}
+        out: dict[str, WeightRef] = {}
+        for part, shape in shapes.items():
+            found = self._find(names[part]) if self.ckpt.has_weights else names[part]
+            if found is None:
+                raise CheckpointError(f"{self.ckpt.directory}: tensor {names[part]} is missing from the checkpoint "
+                                      f"(gpt-oss experts need {', '.join(names.values())}; MXFP4 "
+                                      f"*_blocks/*_scales releases are not read yet: use a bf16 checkpoint)")
+            if self.ckpt.has_weights:
+                self._check_shape(found, (num_experts, *shape))
+            dtype = self.ckpt.tensors[found].dtype if self.ckpt.has_weights else self.dtype
+            for e in range(num_experts):
+                out[f"e{e}.{part}"] = WeightRef(found, shape, dtype, index=e)
+        return out
+
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         loc = self.ckpt.tensors[name]
         if tuple(loc.shape) != shape:

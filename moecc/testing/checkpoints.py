@@ -7,7 +7,7 @@ same arguments twice produces byte-identical files.
 
 Command line::
 
-    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|qwen2_moe|olmoe|deepseek_v2|deepseek_v3]
+    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|qwen2_moe|olmoe|deepseek_v2|deepseek_v3|gpt_oss]
         [--layout per_expert|fused] [--seed N] [--dtype float32]
         [--preset demo] [--set key=value ...]
 """
@@ -43,7 +43,8 @@ __all__ = [
     "main",
 ]
 
-FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3")  # FAMILY_CLASSES keys
+FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+                             "gpt_oss")  # FAMILY_CLASSES keys
 LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -183,6 +184,26 @@ _TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "initializer_range": 0.1,
         "tie_word_embeddings": False,
     },
+    # attention sinks, sliding (window 8, shorter than most test prompts) and full layers,
+    # biases in attention, router and experts, a SwiGLU clamp low enough to bite, YaRN rope
+    "gpt_oss": {
+        "hidden_size": 64,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "swiglu_limit": 1.0,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0},
+        "max_position_embeddings": 512,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    },
 }
 
 #: Named presets for the command line: ``name -> (family, config overrides)``.
@@ -231,6 +252,7 @@ FAMILY_CLASSES: dict[str, tuple[type[transformers.PretrainedConfig], type[transf
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 
 
