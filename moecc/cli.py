@@ -99,38 +99,54 @@ def exec_cmd(
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Override the plan's B."),
     stats: Optional[Path] = typer.Option(None, "--stats", help="Write the job summary and per-step engine "
                                          "records (time, tokens, KV use) to this JSON file."),
+    fmt: str = typer.Option("moecc", "--format", help="Output lines: moecc (custom_id, text, token_ids, "
+                            "finish_reason, usage) or openai (Batch API output lines)."),
+    resume: bool = typer.Option(False, "--resume", help="Skip requests already in the output (and errors) file "
+                                "and append the rest: continues a killed or interrupted job."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing non-empty output file."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display or per-request error lines."),
 ) -> None:
-    """Run PLAN over every request in PROMPTS."""
+    """Run PLAN over every request in PROMPTS (moecc's simple lines or OpenAI Batch API lines).
+
+    Results are appended as each request finishes (flushed at once, fsync'ed every few
+    seconds). Ctrl-C once: finish the requests in flight and stop; twice, or SIGTERM: stop
+    after this step. Either way `--resume` continues the job. Exit status: 0 all done, 1 some
+    requests failed, 130 interrupted."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from moecc_runtime.arena import ArenaError
     from moecc_runtime.copy_engine import CopyError
     from moecc_runtime.exec import run_job
     from moecc_runtime.plan import PlanError
+    from moecc_runtime.results import FORMATS
     from moecc_runtime.weights import WeightError
 
+    if fmt not in FORMATS:
+        _fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if resume and output is None:
+        _fail("--resume needs -o FILE: it continues the job whose results are in that file")
+    if resume and overwrite:
+        _fail("--resume and --overwrite contradict each other: pick one")
+    if output is not None and not resume and not overwrite and output.is_file() and output.stat().st_size > 0:
+        _fail(f"{output} already holds results; pass --resume to continue that job or --overwrite to start over")
     if errors is None and output is not None:
         errors = output.with_name(output.stem + ".errors.jsonl")
-    out = open(output, "w", encoding="utf-8") if output is not None else sys.stdout
     try:
-        summary = run_job(plan, prompts, out, errors_path=errors, model_dir=model, max_tokens=max_tokens,
-                          device=device, max_batch=max_batch, stats_path=stats)
-    except (PlanError, WeightError, CopyError, ArenaError, OSError, RuntimeError) as e:
-        _fail(f"{e} (results finished before this are in {output or 'stdout'})")
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    typer.echo(
-        f"{summary.succeeded} of {summary.requests} requests done, {summary.failed} failed; "
-        f"{summary.completion_tokens} tokens generated in {summary.seconds:.2f}s "
-        f"({summary.tokens_per_second:.1f} tok/s)" + (f"; errors in {errors}" if summary.failed and errors else ""),
-        err=True,
-    )
+        summary = run_job(plan, prompts, output if output is not None else sys.stdout, errors_path=errors,
+                          model_dir=model, max_tokens=max_tokens, device=device, max_batch=max_batch,
+                          stats_path=stats, fmt=fmt, resume=resume, progress="quiet" if quiet else "auto",
+                          handle_signals=True, log=None if quiet else sys.stderr)
+    except (PlanError, WeightError, CopyError, ArenaError, OSError, RuntimeError, ValueError) as e:
+        _fail(f"{e} (results finished before this are in {output or 'stdout'}; rerun with --resume to continue)")
+    typer.echo(f"moecc: {summary.report()}" + (f"; errors in {errors}" if summary.failed and errors else ""),
+               err=True)
     eng = summary.engine
     if eng.get("arena_bytes"):
         eff = eng.get("overlap_efficiency")
         typer.echo(f"device arena {eng['arena_bytes'] / 2**20:.1f} MiB, peak used {eng['peak_device_bytes'] / 2**20:.1f} "
                    f"MiB; copied {eng['copy_bytes'] / 2**30:.2f} GiB in {eng['copy_seconds']:.2f}s, compute waited "
                    f"{eng['wait_seconds']:.2f}s" + (f" (overlap {eff:.0%})" if eff is not None else ""), err=True)
+    if summary.status == "interrupted":
+        raise typer.Exit(130)
     if summary.failed:
         raise typer.Exit(1)
 

@@ -1,14 +1,23 @@
-"""`moecc exec`: run a plan over a JSONL file of prompts and write one result line per
-request as it finishes (flushed at once, so a crash never costs finished results).
+"""`moecc exec`: run a plan over a JSONL file of requests (moecc's simple form or OpenAI's
+Batch API form) and write one result line per request as it finishes.
 
-A bad request fails alone: it becomes an error record (file, line, field) on stderr and in
-the errors file, the others run, and the exit status says how many failed.
+What a long job can count on:
+  * results are appended as each request finishes and handed to the OS at once; the files
+    are fsync'ed every few seconds and at exit (runtime/results.py);
+  * a bad request fails alone: it becomes an error record (file, line, field) in the errors
+    file and on stderr, the others run, and the summary and exit status say how many failed;
+  * `resume=True` skips the requests an earlier run already wrote (results and errors,
+    after cutting a torn last line), so a killed job resumed ends with each request once;
+  * with `handle_signals`, the first Ctrl-C (SIGINT) stops admitting requests and lets those
+    in flight finish, a second one (or SIGTERM) stops after the current step; either way the
+    finished results are on disk and the job is resumable.
 """
 
 from __future__ import annotations
 
-import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +28,9 @@ import torch
 from moecc_runtime.engine import Engine
 from moecc_runtime.generate import GenRequest, GenResult, generate
 from moecc_runtime.plan import PlanError, check_checkpoint, load_plan
+from moecc_runtime.progress import Progress
 from moecc_runtime.requests import Request, RequestError, iter_requests
+from moecc_runtime.results import Done, ResultWriter, error_key, scan_done
 from moecc_runtime.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 256
@@ -27,18 +38,34 @@ DEFAULT_MAX_TOKENS = 256
 
 @dataclass
 class JobSummary:
-    requests: int = 0
+    requests: int = 0  # lines with a request (or a bad line) in the input
     succeeded: int = 0
     failed: int = 0
+    skipped: int = 0  # already done by an earlier run (resume)
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # engine time (model load to last step)
+    wall_seconds: float = 0.0  # the whole job, reading the input included
+    status: str = "done"  # "done" | "interrupted" (stopped early; resumable)
     errors: list[dict[str, Any]] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)  # files whose torn last line was cut on resume
     engine: dict[str, Any] = field(default_factory=dict)  # EngineStats as plain data
 
     @property
     def tokens_per_second(self) -> float:
         return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def unfinished(self) -> int:
+        return self.requests - self.succeeded - self.failed - self.skipped
+
+    def report(self) -> str:
+        """The end-of-run summary line."""
+        text = (f"{self.succeeded} ok, {self.failed} failed" + (f", {self.skipped} already done" if self.skipped else "")
+                + (f", {self.unfinished} not run (interrupted; rerun with --resume)" if self.unfinished > 0 else "")
+                + f" of {self.requests} requests; tokens in {self.prompt_tokens}, out {self.completion_tokens}; "
+                f"wall {self.wall_seconds:.2f}s; {self.tokens_per_second:.1f} tok/s generated")
+        return text
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -47,10 +74,36 @@ def pick_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
+class _Signals:
+    """SIGINT: drain (first), stop (second); SIGTERM: stop. Installed only in the main thread."""
+
+    def __init__(self, log: IO[str] | None, enabled: bool):
+        self.mode = "run"
+        self.log = log
+        self._old: dict[int, Any] = {}
+        if enabled and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.mode == "run":
+            self.mode = "drain"
+            msg = "interrupt: admitting no more requests, finishing those in flight (Ctrl-C again to stop now)"
+        else:
+            self.mode = "stop"
+            msg = "stopping after this step; finished results are written (rerun with --resume)"
+        if self.log is not None:
+            print(f"moecc: {msg}", file=self.log, flush=True)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
 def run_job(
     plan_path: str | Path,
     prompts_path: str | Path,
-    output: IO[str],
+    output: IO[str] | str | Path,
     *,
     errors_path: str | Path | None = None,
     model_dir: str | Path | None = None,
@@ -59,80 +112,144 @@ def run_job(
     max_batch: int | None = None,
     log: IO[str] | None = sys.stderr,
     stats_path: str | Path | None = None,
+    fmt: str = "moecc",
+    resume: bool = False,
+    progress: str = "quiet",
+    handle_signals: bool = False,
 ) -> JobSummary:
-    """Run every request of `prompts_path` through the plan, writing results to `output` as
-    they finish. With `stats_path`, write the job summary and per-step engine records (JSON)."""
+    """Run every request of `prompts_path` through the plan, writing results to `output` (a
+    stream, or a path: appended to with `resume`, else replaced) as they finish, in `fmt`
+    ("moecc" or "openai"). `progress`: "auto", "rich", "plain" or "quiet". With
+    `stats_path`, write the job summary and per-step engine records (JSON)."""
+    wall0 = time.perf_counter()
     plan = load_plan(plan_path)
     mdir = check_checkpoint(plan, model_dir)
     planned_B = int(plan["batch"]["decode"]["B"])
     if plan.get("arena") and max_batch is not None and max_batch > planned_B:
         raise PlanError(f"--max-batch {max_batch} exceeds the B={planned_B} the plan sized its device arena for "
                         f"(staging for B + prefill rows); recompile with `moecc compile ... --max-batch {max_batch}`")
+    if resume and not isinstance(output, (str, Path)):
+        raise ValueError("resume needs the output file's path (results are appended to it)")
+    summary = JobSummary()
+    done = Done()
+    if resume:
+        done = scan_done(Path(output), Path(errors_path) if errors_path else None)
+        summary.repaired = done.repaired
+        if log is not None:
+            for p in done.repaired:
+                print(f"moecc: {p}: cut a torn last line left by an interrupted run", file=log)
     tok = Tokenizer(mdir)
     context = int(plan["model"]["info"]["max_position_embeddings"])
-    summary = JobSummary()
-    err_file: IO[str] | None = None
+    out_file = open(output, "a" if resume else "w", encoding="utf-8") if isinstance(output, (str, Path)) else output
+    writer = ResultWriter(out_file, Path(errors_path) if errors_path else None, fmt,
+                          model=Path(str(plan["model"]["dir"])).name, append_errors=resume)
+    try:
+        return _run(plan, mdir, prompts_path, writer, tok, context, summary, done, wall0, max_tokens=max_tokens,
+                    device=device, max_batch=max_batch, log=log, stats_path=stats_path, progress=progress,
+                    handle_signals=handle_signals)
+    finally:
+        writer.close()
+        if out_file is not output:
+            out_file.close()
 
-    def fail(record: dict[str, Any], text: str) -> None:
-        nonlocal err_file
+
+def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
+         context: int, summary: JobSummary, done: Done, wall0: float, *, max_tokens: int, device: str | None,
+         max_batch: int | None, log: IO[str] | None, stats_path: str | Path | None, progress: str,
+         handle_signals: bool) -> JobSummary:
+    apis: dict[str, tuple[str, str | None, tuple[str, ...]]] = {}  # custom_id -> (api, model, stop)
+    lines: dict[str, int] = {}  # custom_id -> input line
+    prog: Progress | None = None
+
+    def fail(record: dict[str, Any], text: str, api: str = "simple") -> None:
         summary.failed += 1
         summary.errors.append(record)
         if log is not None:
-            print(f"error: {text}", file=log)
-        if errors_path is not None:
-            if err_file is None:
-                err_file = open(errors_path, "w", encoding="utf-8")
-            err_file.write(json.dumps(record, ensure_ascii=False) + "\n")
-            err_file.flush()
+            if prog is not None:
+                prog.log(f"error: {text}")
+            else:
+                print(f"error: {text}", file=log)
+        writer.error(record, api)
+        if prog is not None:
+            prog.request(False)
 
     gen_requests: list[GenRequest] = []
-    lines: dict[str, int] = {}  # custom_id -> input line
+    vocab = int(plan["model"]["info"]["vocab_size"])
     for item in iter_requests(prompts_path):
         summary.requests += 1
         if isinstance(item, RequestError):
-            fail(item.to_record(), str(item))
+            rec = item.to_record()
+            if error_key(rec) in done.errors:
+                summary.skipped += 1
+                continue
+            fail(rec, str(item), item.api)
+            continue
+        if item.custom_id in done.results or f"line:{item.line}" in done.errors:
+            summary.skipped += 1
             continue
         try:
-            gen_requests.append(_encode(item, tok, context, max_tokens, int(plan["model"]["info"]["vocab_size"])))
+            gen_requests.append(_encode(item, tok, context, max_tokens, vocab))
             lines[item.custom_id] = item.line
+            apis[item.custom_id] = (item.api, item.model, item.stop)
         except ValueError as e:
-            rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": "prompt"
-                                                          if item.prompt is not None else "messages",
-                                                          "message": str(e)}}
-            fail(rec, f"{prompts_path}:{item.line}: {e}")
+            field_ = "prompt" if item.prompt is not None else "messages"
+            if item.api != "simple":
+                field_ = "body." + field_
+            rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": field_, "message": str(e)}}
+            fail(rec, f"{prompts_path}:{item.line}: {e}", item.api)
 
+    expected = sum(r.max_tokens for r in gen_requests) / max(1, len(gen_requests))
+    prog = Progress(len(gen_requests), expected, plan.get("predicted", {}).get("job_tokens_per_s"),
+                    mode=progress, stream=log or sys.stderr)
+    signals = _Signals(log, handle_signals)
     start = time.perf_counter()
     engine = Engine(plan, mdir, pick_device(device), record_steps=stats_path is not None)
 
+    def stop_check(req: GenRequest, generated: list[int]) -> bool:
+        text = tok.decode(generated)
+        return any(s in text for s in req.stop)
+
     def finished(r: GenResult) -> None:
+        api, model, stop = apis[r.key]
+        text = tok.decode(r.token_ids)
+        if stop:
+            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
         summary.succeeded += 1
         summary.prompt_tokens += len(r.prompt_ids)
         summary.completion_tokens += len(r.token_ids)
-        line = {
-            "custom_id": r.key,
-            "text": tok.decode(r.token_ids),
-            "token_ids": r.token_ids,
-            "finish_reason": r.finish_reason,
-            "usage": {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.token_ids)},
-        }
-        output.write(json.dumps(line, ensure_ascii=False) + "\n")
-        output.flush()
+        writer.result(r.key, api, text, r.token_ids, r.finish_reason, len(r.prompt_ids), model)
+        prog.request(True, len(r.token_ids))
 
     def failed(r: GenRequest, message: str) -> None:
         line = lines.get(r.key)
-        fail({"custom_id": r.key, "error": {"line": line, "field": "max_tokens", "message": message}},
-             f"{prompts_path}:{line}: {message}")
+        api = apis.get(r.key, ("simple", None, ()))[0]
+        fail({"custom_id": r.key, "error": {"line": line, "field": "max_tokens" if api == "simple" else
+                                            "body.max_tokens", "message": message}},
+             f"{prompts_path}:{line}: {message}", api)
+
+    def control() -> str:
+        if signals.mode == "drain" and prog.note == "":
+            prog.set_note("interrupted: finishing requests in flight")
+        return signals.mode
 
     try:
-        generate(engine, gen_requests, finished, max_batch=max_batch, on_error=failed)
+        outcome = generate(engine, gen_requests, finished, max_batch=max_batch, on_error=failed,
+                           stop_check=stop_check, control=control, on_step=prog.step)
+        if outcome != "done":
+            summary.status = "interrupted"
     finally:
+        signals.restore()
+        prog.close()
         summary.seconds = time.perf_counter() - start
+        summary.wall_seconds = time.perf_counter() - wall0
         summary.engine = asdict(engine.stats)
         summary.engine["overlap_efficiency"] = engine.stats.overlap_efficiency
         engine.close()
-        if err_file is not None:
-            err_file.close()
         if stats_path is not None:
+            import json
+
             Path(stats_path).write_text(json.dumps(asdict(summary), indent=1) + "\n", encoding="utf-8")
     return summary
 
@@ -148,4 +265,4 @@ def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab:
         raise ValueError(f"prompt is {len(ids)} tokens, the model's context is {context}; "
                          f"shorten it to at most {context - 1} tokens")
     max_new = min(req.max_tokens or default_max, context - len(ids))
-    return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed)
+    return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop)

@@ -9,8 +9,11 @@ Each step:
      are prefilled over several steps, interleaved with the decode of the others);
   3. run the engine; if the KV pool runs out, preempt the most recently admitted
      sequence (free its blocks, recompute it later) and retry;
-  4. pick next tokens (greedy rows in one argmax), retire each sequence at EOS or its own
-     max_tokens, free its KV blocks and hand its result to `on_finish` at once.
+  4. pick next tokens (greedy rows in one argmax), retire each sequence at EOS, a stop
+     string (`stop_check`) or its own max_tokens, free its KV blocks and hand its result to
+     `on_finish` at once.
+`control()` is asked before every step: "run", "drain" (admit nothing new, finish what is
+in flight) or "stop" (return now; in-flight requests are dropped unfinished).
 Freed slots are refilled from the queue at the next step, so the batch stays full until
 the queue drains.
 """
@@ -39,6 +42,7 @@ class GenRequest:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings (checked by generate's stop_check)
 
 
 @dataclass
@@ -46,7 +50,7 @@ class GenResult:
     key: str
     prompt_ids: list[int]
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS) | "length" (max_tokens or context)
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or context)
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, when recorded
 
 
@@ -59,9 +63,15 @@ def generate(
     max_prefill_tokens: int | None = None,
     record_logits: bool = False,
     on_error: Callable[[GenRequest, str], None] | None = None,
-) -> None:
+    stop_check: Callable[[GenRequest, list[int]], bool] | None = None,
+    control: Callable[[], str] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> str:
     """Run every request to completion; `on_finish` is called as each one finishes.
-    A request that cannot fit the KV pool even alone goes to `on_error` (raised without it)."""
+    A request that cannot fit the KV pool even alone goes to `on_error` (raised without it).
+    `stop_check(req, generated ids)` says whether a request with stop strings hit one;
+    `on_step(tokens generated, sequences in flight)` is called after every step.
+    Returns "done", or "drained" / "stopped" when `control` ended the run early."""
     eos = set(engine.info["eos_token_ids"])
     limit = int(max_batch or engine.plan["batch"]["decode"]["B"])
     budget_per_step = int(max_prefill_tokens or engine.plan["batch"]["prefill"].get("tokens_per_step")
@@ -78,10 +88,14 @@ def generate(
         return Sequence(next_id - 1, list(req.prompt_ids), len(req.prompt_ids), req.max_tokens,
                         meta={"req": req, "gen": request_generator(req.seed, req.key), "logits": []})
 
+    mode = "run"
     while queue or preempted or running:
-        # 1. admit
+        mode = control() if control is not None else "run"
+        if mode == "stop" or (mode == "drain" and not running and not preempted):
+            return "stopped" if mode == "stop" else "drained"
+        # 1. admit (when draining, only the preempted: they are in-flight work)
         budget = budget_per_step - sum(min(s.pending, budget_per_step) for s in running if s.pending > 1)
-        while (queue or preempted) and len(running) < limit and budget > 0:
+        while (preempted or (queue and mode == "run")) and len(running) < limit and budget > 0:
             tokens = len(preempted[0].tokens) if preempted else len(queue[0].prompt_ids)
             growth = len(running) // kv.block_size + 1  # blocks the running ones may take next step
             if running and kv.blocks_for(tokens + 1) + growth > kv.free_blocks:
@@ -123,12 +137,17 @@ def generate(
                 s.meta["logits"].append(row.clone())
             s.tokens.append(tok)
             reason = "stop" if tok in eos else "length" if len(s.generated) >= s.max_new else None
+            if req.stop and stop_check is not None and stop_check(req, s.generated):
+                reason = "stop"
             if reason is not None:
                 engine.release(s)
                 done.add(s.sid)
                 on_finish(GenResult(req.key, req.prompt_ids, s.generated, reason, s.meta["logits"]))
         if done:
             running = [s for s in running if s.sid not in done]
+        if on_step is not None:
+            on_step(len(finishing), len(running))
+    return "drained" if queue else "done"
 
 
 def _plan_work(running: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:

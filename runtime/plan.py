@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,12 @@ def load_plan(path: str | Path) -> dict[str, Any]:
         raise PlanError(f"{p}: no such plan file; make one with `moecc compile MODEL_DIR -o {p}`")
     try:
         plan = torch.load(str(p), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused an object it would have had to construct
+        first = str(e).strip().splitlines()
+        detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[-1] if first else "")
+        raise PlanError(f"{p}: refused to load: the file holds Python objects beyond plain data, which could run "
+                        f"code when unpickled ({detail}). moecc plans are plain data; do not use this file, "
+                        f"recompile the plan with `moecc compile`") from None
     except Exception as e:
         raise PlanError(f"{p}: not a moecc plan (cannot be read as plain data: {e})") from e
     if not isinstance(plan, dict) or plan.get("schema") != SCHEMA:

@@ -1,9 +1,15 @@
 """Reading and validating JSONL request files for ``moecc exec``.
 
-Each non-blank line of the file is one JSON object::
+Each non-blank line of the file is one JSON object, in the simple form::
 
-    {"custom_id": "a", "prompt": "Hello", "max_tokens": 32}
+    {"custom_id": "a", "prompt": "Hello", "max_tokens": 32, "stop": ["\n\n"]}
     {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 1}
+
+or in OpenAI's Batch API form (the two may be mixed)::
+
+    {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [...], "max_completion_tokens": 64, "stop": "END"}}
+    {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}}
 
 A bad line never stops the others: it becomes a :class:`RequestError` naming the
 file, the 1-based line number and the offending field, while every other line is
@@ -31,10 +37,19 @@ __all__ = [
 ]
 
 KNOWN_FIELDS: tuple[str, ...] = (
-    "custom_id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
+    "custom_id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
 )
+#: OpenAI Batch API lines: these top-level fields, and a body with these parameters
+BATCH_FIELDS: tuple[str, ...] = ("custom_id", "method", "url", "body")
+BATCH_URLS: dict[str, str] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+BODY_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n"),
+    "completions": ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
+}
+MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
 _MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
-_NOT_YET_SUPPORTED = frozenset({"stop"})
+_NOT_YET_SUPPORTED = frozenset({"logprobs", "top_logprobs", "stream", "tools", "response_format", "echo",
+                                "best_of", "logit_bias", "presence_penalty", "frequency_penalty", "suffix"})
 _SEED_LIMIT = 2**64  # torch.manual_seed accepts seeds in [0, 2**64)
 _UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -47,11 +62,14 @@ class Request:
     custom_id: str
     prompt: str | tuple[int, ...] | None  # text, or token ids (as OpenAI's completions API accepts)
     messages: tuple[dict[str, str], ...] | None
-    max_tokens: int | None  # None -> the caller's default
+    max_tokens: int | None = None  # None -> the caller's default
     temperature: float = 0.0  # 0.0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # generation stops when the output text contains one of these
+    api: str = "simple"  # the line's form: "simple", or the Batch API's "chat" / "completions"
+    model: str | None = None  # the Batch API body's "model" (echoed in the output)
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,7 @@ class RequestError:
     field: str | None  # e.g. "max_tokens", "messages[2].content"; None for whole-line problems
     message: str
     custom_id: str | None  # when it could be read
+    api: str = "simple"  # the line's form, when it could be told (for the error's output format)
 
     def __str__(self) -> str:
         where = f"{self.path}:{self.line}"
@@ -84,6 +103,7 @@ class RequestFieldError(Exception):
         self.field = field
         self.message = message
         self.custom_id = custom_id
+        self.api = "simple"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -185,6 +205,93 @@ def _check_messages(value: object) -> tuple[dict[str, str], ...]:
     return tuple(messages)
 
 
+def _check_stop(value: object, field: str) -> tuple[str, ...]:
+    """A stop sequence (non-empty string) or a list of at most MAX_STOP_SEQUENCES of them."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise RequestFieldError(field, f"expected a string or an array of strings, got {_describe(value)}")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise RequestFieldError(field, f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(items)}")
+    where = (lambda i: field) if isinstance(value, str) else (lambda i: f"{field}[{i}]")
+    return tuple(_check_str(s, where(i), allow_empty=False) for i, s in enumerate(items))
+
+
+def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
+    """max_tokens, temperature, top_p, top_k, seed and stop of a simple line or a Batch API body."""
+    out: dict[str, Any] = {}
+    if "max_tokens" in obj:
+        out["max_tokens"] = _check_int(obj["max_tokens"], prefix + "max_tokens", lo=1, hi=None,
+                                       expected="an integer >= 1")
+    if "max_completion_tokens" in obj:
+        out["max_tokens"] = _check_int(obj["max_completion_tokens"], prefix + "max_completion_tokens", lo=1,
+                                       hi=None, expected="an integer >= 1")
+    if "temperature" in obj:
+        out["temperature"] = _check_float(obj["temperature"], prefix + "temperature",
+                                          expected="a number >= 0 (0 means greedy)", ok=lambda t: t >= 0)
+    if "top_p" in obj:
+        out["top_p"] = _check_float(obj["top_p"], prefix + "top_p", expected="a number in (0, 1]",
+                                    ok=lambda p: 0 < p <= 1)
+    if "top_k" in obj:
+        out["top_k"] = _check_int(obj["top_k"], prefix + "top_k", lo=0, hi=None,
+                                  expected="an integer >= 0 (0 means off)")
+    if "seed" in obj:
+        out["seed"] = _check_int(obj["seed"], prefix + "seed", lo=0, hi=_SEED_LIMIT,
+                                 expected="an integer in [0, 2**64)")
+    if "stop" in obj and obj["stop"] is not None:
+        out["stop"] = _check_stop(obj["stop"], prefix + "stop")
+    return out
+
+
+def _unknown(obj: dict, known: tuple[str, ...], prefix: str = "") -> None:
+    unknown = [key for key in obj if key not in known]
+    if unknown:
+        names = ", ".join(f"'{prefix}{k}'" for k in unknown)
+        hint = " (not supported by moecc)" if unknown[0] in _NOT_YET_SUPPORTED else ""
+        plural = "s" if len(unknown) > 1 else ""
+        raise RequestFieldError(prefix + unknown[0], f"unknown field{plural} {names}{hint} "
+                                f"(known: {', '.join(known)})")
+
+
+def _prefixed(prefix: str, check: Callable[[], Any]) -> Any:
+    """Run a field check whose errors name fields relative to `prefix` (e.g. "body.")."""
+    try:
+        return check()
+    except RequestFieldError as exc:
+        raise RequestFieldError(prefix + exc.field if exc.field else prefix.rstrip("."), exc.message) from None
+
+
+def _parse_batch_line(obj: dict, line: int, custom_id: str) -> Request:
+    """An OpenAI Batch API line: method POST, a supported url, a body of its parameters."""
+    _unknown(obj, BATCH_FIELDS)
+    if "custom_id" not in obj:
+        raise RequestFieldError("custom_id", "missing required field (every Batch API line has one)")
+    if obj.get("method") != "POST":
+        raise RequestFieldError("method", f"expected \"POST\", got {_describe(obj.get('method'))}")
+    url = obj.get("url")
+    if url not in BATCH_URLS:
+        raise RequestFieldError("url", f"expected one of {', '.join(BATCH_URLS)}, got {_describe(url)}")
+    api = BATCH_URLS[url]
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RequestFieldError("body", f"expected an object of request parameters, got {_describe(body)}")
+    _unknown(body, BODY_FIELDS[api], "body.")
+    if "n" in body and (isinstance(body["n"], bool) or body["n"] != 1):
+        raise RequestFieldError("body.n", f"only n = 1 is supported, got {_describe(body['n'])}")
+    model = _check_str(body["model"], "body.model") if "model" in body else None
+    if api == "chat":
+        if "messages" not in body:
+            raise RequestFieldError("body.messages", "missing required field for /v1/chat/completions")
+        messages, prompt = _prefixed("body.", lambda: _check_messages(body["messages"])), None
+    else:
+        if "prompt" not in body:
+            raise RequestFieldError("body.prompt", "missing required field for /v1/completions")
+        prompt, messages = _prefixed("body.", lambda: _check_prompt(body["prompt"])), None
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise RequestFieldError("body.max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    knobs = _sampling(body, "body.")
+    return Request(line=line, custom_id=custom_id, prompt=prompt, messages=messages, api=api, model=model, **knobs)
+
+
 # --------------------------------------------------------------------------- parsing
 
 
@@ -204,15 +311,14 @@ def parse_request(obj: object, *, path: str, line: int) -> Request:
             custom_id = _check_str(obj["custom_id"], "custom_id", allow_empty=False)
         else:
             custom_id = f"request-{line}"
-        unknown = [key for key in obj if key not in KNOWN_FIELDS]
-        if unknown:
-            names = ", ".join(f"'{k}'" for k in unknown)
-            hint = " (not supported yet)" if unknown[0] in _NOT_YET_SUPPORTED else ""
-            plural = "s" if len(unknown) > 1 else ""
-            raise RequestFieldError(
-                unknown[0], f"unknown field{plural} {names}{hint} (known: {', '.join(KNOWN_FIELDS)})"
-            )
-
+        if any(key in obj for key in ("method", "url", "body")):
+            try:
+                return _parse_batch_line(obj, line, custom_id)
+            except RequestFieldError as exc:
+                url = obj.get("url")
+                exc.api = BATCH_URLS.get(url, "chat") if isinstance(url, str) else "chat"
+                raise
+        _unknown(obj, KNOWN_FIELDS)
         has_prompt, has_messages = "prompt" in obj, "messages" in obj
         if has_prompt and has_messages:
             raise RequestFieldError("messages", "give exactly one of 'prompt' or 'messages', not both")
@@ -220,37 +326,12 @@ def parse_request(obj: object, *, path: str, line: int) -> Request:
             raise RequestFieldError(None, "missing 'prompt' or 'messages' (exactly one is required)")
         prompt = _check_prompt(obj["prompt"]) if has_prompt else None
         messages = _check_messages(obj["messages"]) if has_messages else None
-
-        max_tokens: int | None = None
-        temperature, top_p, top_k = 0.0, 1.0, 0
-        seed: int | None = None
-        if "max_tokens" in obj:
-            max_tokens = _check_int(obj["max_tokens"], "max_tokens", lo=1, hi=None, expected="an integer >= 1")
-        if "temperature" in obj:
-            temperature = _check_float(
-                obj["temperature"], "temperature", expected="a number >= 0 (0 means greedy)", ok=lambda t: t >= 0
-            )
-        if "top_p" in obj:
-            top_p = _check_float(obj["top_p"], "top_p", expected="a number in (0, 1]", ok=lambda p: 0 < p <= 1)
-        if "top_k" in obj:
-            top_k = _check_int(obj["top_k"], "top_k", lo=0, hi=None, expected="an integer >= 0 (0 means off)")
-        if "seed" in obj:
-            seed = _check_int(obj["seed"], "seed", lo=0, hi=_SEED_LIMIT, expected="an integer in [0, 2**64)")
+        knobs = _sampling(obj)
     except RequestFieldError as exc:
         exc.custom_id = custom_id
         raise
 
-    return Request(
-        line=line,
-        custom_id=custom_id,
-        prompt=prompt,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-    )
+    return Request(line=line, custom_id=custom_id, prompt=prompt, messages=messages, **knobs)
 
 
 class _BadJson(ValueError):
@@ -306,13 +387,14 @@ def iter_request_lines(lines: Iterable[bytes], *, path: str = "<input>") -> Iter
         except RequestFieldError as exc:
             if exc.custom_id is not None and exc.custom_id not in seen:
                 seen[exc.custom_id] = number  # its outputs would also be keyed by this id
-            yield RequestError(path, number, exc.field, exc.message, exc.custom_id)
+            yield RequestError(path, number, exc.field, exc.message, exc.custom_id, exc.api)
             continue
         first = seen.setdefault(request.custom_id, number)
         if first != number:
             yield RequestError(
                 path, number, "custom_id",
                 f"duplicate custom_id '{request.custom_id}' (first seen on line {first})", request.custom_id,
+                request.api,
             )
         else:
             yield request

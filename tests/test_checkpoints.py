@@ -79,9 +79,14 @@ def test_round_trip(tmp_path: Path, family: str, layout: str) -> None:
     cfg = reference.config
     experts = cfg.n_routed_experts if family.startswith("deepseek") else (
         cfg.num_local_experts if family == "mixtral" else cfg.num_experts)
-    inter = cfg.intermediate_size if family in ("mixtral", "olmoe") else cfg.moe_intermediate_size
+    inter = cfg.intermediate_size if family in ("mixtral", "olmoe", "gpt_oss") else cfg.moe_intermediate_size
     moe = 1 if family.startswith("deepseek") else 0  # DeepSeek: first_k_dense_replace=1, layer 0 dense
-    if layout == "fused":
+    if family == "gpt_oss":  # one layout either way: transposed, gate/up interleaved, with biases
+        assert keys["model.layers.0.mlp.experts.gate_up_proj"] == [experts, cfg.hidden_size, 2 * inter]
+        assert keys["model.layers.0.mlp.experts.gate_up_proj_bias"] == [experts, 2 * inter]
+        assert keys["model.layers.0.mlp.experts.down_proj"] == [experts, inter, cfg.hidden_size]
+        assert keys["model.layers.0.self_attn.sinks"] == [cfg.num_attention_heads]
+    elif layout == "fused":
         assert keys[f"model.layers.{moe}.mlp.experts.gate_up_proj"] == [experts, 2 * inter, cfg.hidden_size]
         assert keys[f"model.layers.{moe}.mlp.experts.down_proj"] == [experts, cfg.hidden_size, inter]
     elif family == "mixtral":

@@ -204,7 +204,7 @@ def test_exec_writes_one_result_line_per_request(env: Env, runs: dict[str, Futur
     c, x = result(runs, "compile_then_exec")
     assert c.returncode == 0, c.stderr
     assert x.returncode == 0, x.stderr
-    assert "5 of 5 requests done, 0 failed" in x.stderr
+    assert "5 ok, 0 failed of 5 requests; tokens in " in x.stderr
     assert x.stdout == ""  # results went to -o
     rows = read_jsonl(env.root / "good_out.jsonl")
     assert len(rows) == len(GOOD)
@@ -309,7 +309,7 @@ def test_malformed_line_fails_alone(env: Env, runs: dict[str, Future]) -> None:
     assert "Traceback" not in proc.stderr
     assert f"{env.mixed}:2: " in proc.stderr
     assert "malformed JSON" in proc.stderr
-    assert "2 of 3 requests done, 1 failed" in proc.stderr
+    assert "2 ok, 1 failed of 3 requests" in proc.stderr
     errors_path = env.root / "mixed_out.errors.jsonl"  # default: beside the output
     assert str(errors_path) in proc.stderr
     results = by_id(read_jsonl(env.root / "mixed_out.jsonl"))

@@ -160,8 +160,8 @@ def test_iter_requests_streams_in_file_order(tmp_path: Path) -> None:
         ('{"prompt": "a", "seed": 18446744073709551616}', "seed", "expected an integer in [0, 2**64)"),
         ('{"prompt": "a", "max_new_tokens": 5}', "max_new_tokens",
          "unknown field 'max_new_tokens' (known: custom_id, prompt, messages, max_tokens, temperature,"
-         " top_p, top_k, seed)"),
-        ('{"prompt": "a", "stop": ["\\n"]}', "stop", "unknown field 'stop' (not supported yet)"),
+         " top_p, top_k, seed, stop)"),
+        ('{"prompt": "a", "logprobs": true}', "logprobs", "unknown field 'logprobs' (not supported by moecc)"),
         ('{"prompt": "a", "x": 1, "y": 2}', "x", "unknown fields 'x', 'y'"),
     ],
 )
@@ -354,7 +354,8 @@ def test_parse_request_only_raises_field_errors(obj: object) -> None:
 
 bad_lines = st.sampled_from([
     b"{", b"[]", b'{"prompt": ""}', b'{"prompt": "a", "max_tokens": true}', b"\xff",
-    b'{"messages": [{"role": "user"}]}', b'{"prompt": "a", "stop": "x"}', b"null",
+    b'{"messages": [{"role": "user"}]}', b'{"prompt": "a", "stop": 5}', b"null",
+    b'{"custom_id": "z", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "n": 2}}',
 ])
 
 
@@ -380,3 +381,84 @@ def test_error_line_numbers_with_mixed_lines(rows: list[tuple[str, object]], crl
     for item in items:
         if isinstance(item, Request):
             assert item.custom_id == f"id-{item.line}"
+
+
+# ----------------------------------------------------------------------------- OpenAI Batch API lines
+
+chat_body = st.fixed_dictionaries(
+    {"messages": st.lists(message, min_size=1, max_size=3)},
+    optional={"model": texts, "max_completion_tokens": st.integers(1, 10**6), "temperature": st.floats(0, 2),
+              "top_p": st.floats(min_value=0, max_value=1, exclude_min=True), "seed": st.integers(0, 2**63),
+              "stop": texts | st.lists(texts, min_size=1, max_size=4), "n": st.just(1)})
+completion_body = st.fixed_dictionaries(
+    {"prompt": texts},
+    optional={"model": texts, "max_tokens": st.integers(1, 10**6), "temperature": st.floats(0, 2),
+              "stop": texts | st.lists(texts, min_size=1, max_size=4)})
+batch_line = st.one_of(
+    st.fixed_dictionaries({"custom_id": texts, "method": st.just("POST"), "url": st.just("/v1/chat/completions"),
+                           "body": chat_body}),
+    st.fixed_dictionaries({"custom_id": texts, "method": st.just("POST"), "url": st.just("/v1/completions"),
+                           "body": completion_body}))
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch_line)
+def test_batch_lines_parse_to_their_request(d: dict) -> None:
+    req = parse_request(json.loads(json.dumps(d)), path="p", line=3)
+    body = d["body"]
+    assert req.custom_id == d["custom_id"] and req.api == ("chat" if "messages" in body else "completions")
+    assert req.model == body.get("model")
+    assert req.max_tokens == body.get("max_tokens", body.get("max_completion_tokens"))
+    assert req.temperature == float(body.get("temperature", 0.0))
+    stop = body.get("stop", ())
+    assert req.stop == ((stop,) if isinstance(stop, str) else tuple(stop))
+    assert (req.messages == tuple(body["messages"])) if "messages" in body else (req.prompt == body["prompt"])
+
+
+batchish = st.fixed_dictionaries({}, optional={
+    "custom_id": json_values, "method": st.sampled_from(["POST", "GET"]) | json_values,
+    "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]) | json_values,
+    "body": st.dictionaries(st.sampled_from(["model", "messages", "prompt", "max_tokens", "max_completion_tokens",
+                                             "n", "stop", "seed", "logprobs", "tools"]), json_values, max_size=5)
+    | json_values})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(batchish.map(lambda o: json.dumps(o).encode()) | st.binary(max_size=30), max_size=8))
+def test_arbitrary_batch_lines_never_crash_and_each_bad_one_is_one_error(chunks: list[bytes]) -> None:
+    data = b"\n".join(chunks)
+    items = parse_bytes(data)
+    assert len({i.line for i in items}) == len(items)  # one item (request or error) per non-blank line
+    for item in items:
+        if isinstance(item, RequestError):
+            assert item.message and item.api in ("simple", "chat", "completions")
+            if item.field is not None and item.field.startswith("body."):
+                assert item.api in ("chat", "completions")
+        else:
+            assert item.api in ("simple", "chat", "completions")
+
+
+@pytest.mark.parametrize("line,field,fragment", [
+    ({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}, "method", "POST"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}, "url",
+     "/v1/chat/completions"),
+    ({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}, "custom_id", "missing"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": "x"}, "body", "object"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"prompt": "x"}}, "body.prompt",
+     "unknown field"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}, "body.messages", "missing"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": 5}]}}, "body.messages[0].content", "expected a string"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "stop": ["a"] * 5}},
+     "body.stop", "at most 4"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "stop": [""]}},
+     "body.stop[0]", "empty"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "tools": []}},
+     "body.tools", "not supported by moecc"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}, "extra": 1}, "extra",
+     "unknown field"),
+])
+def test_batch_line_errors_name_the_field(line: dict, field: str, fragment: str) -> None:
+    with pytest.raises(RequestFieldError) as e:
+        parse_request(line, path="p", line=1)
+    assert e.value.field == field and fragment in e.value.message, (e.value.field, e.value.message)

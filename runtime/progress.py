@@ -1,0 +1,132 @@
+"""Progress of a job on stderr: a live rich display on a terminal, a plain line every
+`interval` seconds otherwise, nothing with quiet.
+
+The ETA starts from the plan's predicted job rate (tokens/s) and moves to the measured one
+as the run goes: rate = (predicted * PRIOR_S + measured * elapsed) / (PRIOR_S + elapsed),
+so after PRIOR_S seconds measurement weighs as much as the prediction, and soon dominates.
+Remaining work is the unfinished requests times the tokens a finished request took on
+average (before any finished: their mean max_tokens).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Any
+
+PRIOR_S = 30.0  # seconds of measurement that weigh as much as the plan's prediction
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "--:--:--"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    def __init__(self, total: int, expected_tokens: float, predicted_rate: float | None, *,
+                 mode: str = "auto", stream: IO[str] | None = None, interval: float = 10.0):
+        """total: requests to run; expected_tokens: their mean max_tokens; predicted_rate:
+        the plan's job tokens/s; mode: "auto" (rich on a terminal, else plain), "rich",
+        "plain" or "quiet"."""
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "rich" if getattr(self.stream, "isatty", lambda: False)() else "plain"
+        self.mode = mode
+        self.total, self.expected = total, max(1.0, expected_tokens)
+        self.predicted = predicted_rate if predicted_rate and predicted_rate > 0 else None
+        self.interval = interval
+        self.ok = self.failed = self.tokens = self.finished_tokens = self.inflight = 0
+        self.start = time.monotonic()
+        self._last_line = self.start
+        self.note = ""
+        self._live: Any = None
+        if self.mode == "rich":
+            try:
+                self._start_rich()
+            except ImportError:
+                self.mode = "plain"
+
+    # -- events -----------------------------------------------------------------------------
+    def step(self, tokens: int, inflight: int) -> None:
+        self.tokens += tokens
+        self.inflight = inflight
+        self._show()
+
+    def request(self, ok: bool, tokens: int = 0) -> None:
+        if ok:
+            self.ok += 1
+            self.finished_tokens += tokens
+        else:
+            self.failed += 1
+        self._show()
+
+    def log(self, text: str) -> None:
+        """A message line (an error record, a warning) printed above the live display."""
+        if self.mode == "rich" and self._live is not None:
+            self._rich.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def set_note(self, note: str) -> None:
+        self.note = note
+        self._show(force=True)
+
+    # -- figures ----------------------------------------------------------------------------
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def rate(self) -> float | None:
+        """Tokens/s for the ETA: the prediction, blended into measurement as time passes."""
+        t = self.elapsed
+        measured = self.tokens / t if t > 0 and self.tokens else None
+        if self.predicted is None:
+            return measured
+        if measured is None:
+            return self.predicted
+        return (self.predicted * PRIOR_S + measured * t) / (PRIOR_S + t)
+
+    def eta(self) -> float | None:
+        left = self.total - self.ok - self.failed
+        if left <= 0:
+            return 0.0
+        per = self.finished_tokens / self.ok if self.ok else self.expected
+        rate = self.rate()
+        return left * per / rate if rate else None
+
+    def line(self) -> str:
+        t = self.elapsed
+        done = self.ok + self.failed
+        return (f"{done}/{self.total} requests ({self.failed} failed), {self.tokens} tokens, "
+                f"{self.tokens / t if t > 0 else 0.0:.1f} tok/s, {self.inflight} in flight, "
+                f"elapsed {_clock(t)}, ETA {_clock(self.eta())}" + (f"; {self.note}" if self.note else ""))
+
+    # -- display ----------------------------------------------------------------------------
+    def _start_rich(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress as RichProgress, TextColumn
+
+        self._rich = RichProgress(TextColumn("moecc"), BarColumn(), TextColumn("{task.description}"),
+                                  console=Console(file=self.stream), transient=False, refresh_per_second=4)
+        self._task = self._rich.add_task(self.line(), total=max(1, self.total))
+        self._rich.start()
+        self._live = self._rich
+
+    def _show(self, force: bool = False) -> None:
+        if self.mode == "quiet":
+            return
+        if self.mode == "rich" and self._live is not None:
+            self._rich.update(self._task, completed=self.ok + self.failed, description=self.line())
+            return
+        now = time.monotonic()
+        if force or now - self._last_line >= self.interval:
+            self._last_line = now
+            print(f"moecc: {self.line()}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._rich.update(self._task, completed=self.ok + self.failed, description=self.line())
+            self._rich.stop()
+            self._live = None
