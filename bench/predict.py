@@ -1,6 +1,6 @@
 """How well the planner predicts this machine, and whether its choice beats hand-set ones.
 
-    python bench/predict.py                 # profile, compile, run, compare (~10 minutes)
+    python bench/predict.py                 # profile, compile, run, compare (~40 minutes)
     python bench/predict.py --quick         # fewer prompts, for a look
 
 Steps, all in one run:
@@ -13,10 +13,12 @@ Steps, all in one run:
   3. each plan runs the same prompts with `moecc exec --stats`; from the per-step records:
      measured decode tokens/s (steps without prefill, batch >= 90% of its peak) and prefill
      tokens/s (prompt tokens / time of the steps that are mostly prompt tokens), the job's
-     first step left out of both (first touch of the weights), against the plan's
-     predicted figures (for hand-set plans, the planner's model re-evaluated for them);
-     every plan runs --repeats times, in rounds of alternating order, and its measured rates
-     are the medians (a drift of this shared machine's speed then hits every plan alike);
+     first step left out of both (first touch of the weights), against the planner's model
+     evaluated for the plan's own sizes, residency and prefetch (hand-set plans too);
+     every plan runs --repeats times, in rounds of alternating order; each round starts
+     with a fresh `moecc profile` and its predictions are evaluated on that profile, so a
+     drift of this shared machine's speed (+-25% within minutes) reaches prediction and
+     measurement alike; the figures are the medians over the rounds;
   4. prints a table (predicted, measured, error) and the mean absolute error, the planner's
      margin over each hand-set plan and the run-to-run spread, and writes JSON.
 The planner's choice should beat every hand-set configuration in measured job tokens/s.
@@ -43,25 +45,37 @@ from throughput import build_model, write_prompts  # noqa: E402
 WARMUP_STEPS = 1  # steps at the start of a job left out of the phase rates
 
 
+_COSTS: dict[Path, Any] = {}
+
+
+def model_cost_of(model: Path) -> Any:
+    """The planner's per-layer cost table of the model (graph through the passes before the
+    solver), computed once per model."""
+    if model not in _COSTS:
+        from moecc.frontend.trace import build_graph
+        from moecc.pass_infra import PassContext
+        from moecc.passes import default_pipeline
+        from moecc.planner.costs import model_cost
+
+        g, ckpt = build_graph(model)
+        ctx = PassContext(options={"checkpoint": ckpt})
+        for p in default_pipeline():
+            if p.name == "solve_batch_sizes":
+                break
+            r = p.run(g, ctx)
+            r.graph.properties |= set(p.ensures)
+            g = r.graph
+        _COSTS[model] = model_cost(g)
+    return _COSTS[model]
+
+
 def predicted_for(plan: dict[str, Any], model: Path, hw: Path) -> dict[str, float]:
     """The planner's model evaluated for the plan's own sizes, residency and prefetch (for
-    hand-set plans too)."""
-    from moecc.frontend.trace import build_graph
+    hand-set plans too), on the hardware profile `hw`."""
     from moecc.hardware import resolve_hardware
-    from moecc.pass_infra import PassContext
-    from moecc.passes import default_pipeline
-    from moecc.planner.costs import model_cost
     from moecc.planner.schedule import Knobs, StepShape, build_schedule
 
-    g, ckpt = build_graph(model)
-    ctx = PassContext(options={"checkpoint": ckpt})
-    for p in default_pipeline():
-        if p.name == "solve_batch_sizes":
-            break
-        r = p.run(g, ctx)
-        r.graph.properties |= set(p.ensures)
-        g = r.graph
-    cost, rates = model_cost(g), resolve_hardware(str(hw))
+    cost, rates = model_cost_of(model), resolve_hardware(str(hw))
     b, wl = plan["batch"], plan["batch"]["workload"]
     prompt, output = float(wl["prompt_tokens"]), float(wl["output_tokens"])
     d, pf = b["decode"], b["prefill"]
@@ -77,35 +91,6 @@ def predicted_for(plan: dict[str, Any], model: Path, hw: Path) -> dict[str, floa
     dec_tps, pre_tps = d["B"] / dec.seconds, tps / pre.seconds
     return {"decode_tokens_per_s": dec_tps, "prefill_tokens_per_s": pre_tps,
             "job_tokens_per_s": output / (output / dec_tps + prompt / pre_tps)}
-
-
-class SpeedProbe:
-    """This shared machine's speed right now, on the work that dominates a step: the runtime's
-    gated MLP at 256 rows over the model's own expert weights (memory-mapped, as exec reads
-    them). Runs before and after each plan; predictions are scaled by its ratio to the
-    profile's rate at the same point, so drift of the machine (measured: +-25% within
-    minutes) is not counted as the model's error. Raw errors are reported too."""
-
-    def __init__(self, plan: dict[str, Any], model: Path, tokens: int = 256):
-        from moecc_runtime.weights import WeightStore
-
-        self.store = WeightStore(plan["weights"], model, torch.device("cpu"))
-        keys = sorted({k.rsplit(".", 1)[0] for k in plan["weights"] if ".mlp_experts.e" in k})
-        self.ws = [tuple(self.store.host(f"{k}.{p}") for p in ("gate", "up", "down")) for k in keys]
-        g = self.ws[0][0]
-        self.inter, self.hidden = g.shape
-        self.tokens = tokens
-        self.x = torch.randn(tokens, self.hidden, dtype=g.dtype)
-
-    def rate(self, seconds: float = 1.0) -> float:
-        from moecc_runtime.kernels import gated_mlp
-
-        calls, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds or calls < len(self.ws):
-            g, u, d = self.ws[calls % len(self.ws)]
-            gated_mlp(self.x, g, u, d, "silu")
-            calls += 1
-        return 6.0 * self.tokens * self.hidden * self.inter * calls / (time.perf_counter() - t0)
 
 
 def prefetch_variant(plan: dict[str, Any], budget: int) -> tuple[str, dict[str, Any] | None]:
@@ -199,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     # the planner's choice under different batch bounds and device budgets (None: no arena)
-    configs = [(a.prompts, 0.25), (a.prompts, None), (a.prompts // 2, 0.5), (a.prompts // 4, None),
-               (max(16, a.prompts // 8), 0.25)]
+    configs = [(a.prompts, 0.25), (a.prompts, None), (a.prompts // 2, 0.5), (a.prompts // 4, None)]
     for mb, frac in configs:
         tag = "unbounded" if frac is None else f"{frac:.0%} of weights"
         path = compile_plan(f"planner-B{mb}-{'all' if frac is None else int(frac * 100)}", mb, frac)
@@ -233,52 +217,48 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"name": name, "kind": "hand", "path": path, "gpu_mem": rows[0]["gpu_mem"],
                      "batch": plan["batch"], "arena": plan.get("arena"),
                      "predicted": predicted_for(plan, model, hw)})
-    probe = SpeedProbe(load_plan(rows[0]["path"]), model)
-    # the reference: the probe right before the first run (its own method; measured against the
-    # profile's curve it read 8-20% high, so it is compared only with itself)
-    profiled = probe.rate(2.0)
-    # rounds in alternating order (forward, backward, ...): a drift of the machine's speed over
-    # the run (measured: +-25% within minutes) then hits every plan about equally; each
-    # plan's measured rates are the median over its rounds
+    # rounds in alternating order (forward, backward, ...), each starting with a fresh
+    # `moecc profile`: a drift of this shared machine's speed (measured: +-25% within minutes)
+    # then reaches the predictions too (they are re-evaluated on the round's profile) and hits
+    # every plan about equally; each plan's figures are the medians over its rounds
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(rows))}
-    speeds: dict[int, list[float]] = {i: [] for i in range(len(rows))}
+    preds: dict[int, list[dict[str, float]]] = {i: [] for i in range(len(rows))}
     for rnd in range(a.repeats):
+        hw_r = a.work / f"hw-round{rnd + 1}.json"
+        subprocess.run(prof[:5] + [str(hw_r)] + prof[6:], check=True, capture_output=True)
         order = range(len(rows)) if rnd % 2 == 0 else reversed(range(len(rows)))
         for i in order:
             r = rows[i]
             print(f"round {rnd + 1}/{a.repeats}: running {r['name']} ...", file=sys.stderr)
-            before = probe.rate()
+            preds[i].append(predicted_for(load_plan(r["path"]), model, hw_r))
             runs[i].append(run_plan(r["path"], prompts_path, a.work, f"{r['path'].stem}-{rnd}"))
-            speeds[i].append((before + probe.rate()) / 2 / profiled)
     for i, r in enumerate(rows):
-        r["runs"] = runs[i]
+        r["runs"], r["predicted_per_round"] = runs[i], preds[i]
+        r["predicted_at_compile"] = r["predicted"]
+        r["predicted"] = {k: median([p[k] for p in preds[i]]) for k in preds[i][0]}
         r["measured"] = {k: median([m[k] for m in runs[i]]) for k in runs[i][0]
                          if all(isinstance(m[k], (int, float)) and not isinstance(m[k], bool) for m in runs[i])}
         r["measured"]["peak_device_bytes"] = max(m["peak_device_bytes"] for m in runs[i])
-        r["machine_speed"] = {"per_round": speeds[i], "factor": median(speeds[i])}
         r["path"] = str(r["path"])
-    errors, raw_errors = [], []
+    errors: list[float] = []
     print(f"\n{'plan':44s} {'B':>5s} {'b_a':>5s} {'b_e':>5s} {'tps':>5s} | {'phase':7s} {'predicted':>9s} "
-          f"{'x speed':>8s} {'measured':>9s} {'error':>7s} {'raw':>7s}")
+          f"{'measured':>9s} {'error':>7s}  {'runs (measured)':s}")
     for r in rows:
         d, p = r["batch"]["decode"], r["batch"]["prefill"]
-        f = r["machine_speed"]["factor"]
         for phase in ("decode", "prefill", "job"):
-            pr, me = r["predicted"][f"{phase}_tokens_per_s"], r["measured"][f"{phase}_tokens_per_s"]
-            err = (pr * f - me) / me if me else None
-            raw = (pr - me) / me if me else None
+            key = f"{phase}_tokens_per_s"
+            pr, me = r["predicted"][key], r["measured"].get(key)
+            err = (pr - me) / me if me else None
             if err is not None and phase != "job":
                 errors.append(abs(err))
-                raw_errors.append(abs(raw))
             r.setdefault("error", {})[phase] = err
-            r.setdefault("raw_error", {})[phase] = raw
+            each = " ".join(f"{m[key]:.0f}" for m in r["runs"] if m.get(key))
             print(f"{r['name'] if phase == 'decode' else '':44s} {d['B'] if phase == 'decode' else '':>5} "
                   f"{(d['b_a'] if phase == 'decode' else p['b_a']) if phase != 'job' else '':>5} "
                   f"{(d['b_e'] if phase == 'decode' else p['b_e']) if phase != 'job' else '':>5} "
                   f"{p['tokens_per_step'] if phase == 'prefill' else '':>5} | {phase:7s} {pr:9.1f} "
-                  f"{pr * f:8.1f} {me if me else float('nan'):9.1f} {err if err is not None else float('nan'):+7.1%} "
-                  f"{raw if raw is not None else float('nan'):+7.1%}")
-    mae, raw_mae = mean(errors), mean(raw_errors)
+                  f"{me if me else float('nan'):9.1f} {err if err is not None else float('nan'):+7.1%}  {each}")
+    mae = mean(errors)
 
     def norm(r: dict[str, Any]) -> float:  # median job tokens/s over the alternating rounds
         return r["measured"]["job_tokens_per_s"]
@@ -296,16 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     margins = {r["name"]: norm(chosen) / norm(r) - 1 for r in rows if r["kind"] == "hand"}
     within = all(r["measured"]["peak_device_bytes"] <= r["gpu_mem"] for r in rows if r["gpu_mem"])
     print(f"peak arena bytes within --gpu-mem for every budgeted plan: {within}")
-    print(f"machine speed during the runs, relative to the profile: "
-          f"{min(r['machine_speed']['factor'] for r in rows):.2f}..{max(r['machine_speed']['factor'] for r in rows):.2f}")
-    print(f"\nmean absolute error of predicted prefill and decode tokens/s: {raw_mae:.1%} raw, {mae:.1%} scaled "
-          f"by the speed probe, over {len(errors)} figures")
+    print(f"\nmean absolute error of predicted prefill and decode tokens/s: {mae:.1%} over {len(errors)} figures "
+          f"(medians over {a.repeats} rounds, each predicted on its own fresh profile)")
     print(f"run-to-run spread of job tok/s (median over plans): {noise:.1%}; the planner's choice against each "
           f"hand-set one: " + ", ".join(f"{m:+.1%}" for m in margins.values()))
     print(f"fastest measured (median job tok/s): {best['name']}; the planner's choice ({chosen['name']}) "
           f"{'beats' if beats else 'does NOT beat'} every hand-set configuration on its budget")
     out = a.json or a.work / "predict.json"
-    out.write_text(json.dumps({"rows": rows, "mae": mae, "raw_mae": raw_mae, "planner_beats_hand_set": beats,
+    out.write_text(json.dumps({"rows": rows, "mae": mae, "planner_beats_hand_set": beats,
                                "margins_over_hand_set": margins, "run_to_run_spread": noise,
                                "peak_within_budget": within,
                                "best_planner": planner_best["name"], "torch": torch.__version__}, indent=1) + "\n")

@@ -105,6 +105,12 @@ def exec_cmd(
                                 "and append the rest: continues a killed or interrupted job."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing non-empty output file."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display or per-request error lines."),
+    ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: the requests are split into shards "
+                             "run by Ray actors, one device each (needs pip install 'moecc[ray]')."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to join (default: a "
+                                              "local one; 'auto': the running cluster)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Ray actors (default: one per GPU, or per "
+                                          "CPU core on a CPU-only cluster)."),
 ) -> None:
     """Run PLAN over every request in PROMPTS (moecc's simple lines or OpenAI Batch API lines).
 
@@ -128,13 +134,26 @@ def exec_cmd(
         _fail("--resume and --overwrite contradict each other: pick one")
     if output is not None and not resume and not overwrite and output.is_file() and output.stat().st_size > 0:
         _fail(f"{output} already holds results; pass --resume to continue that job or --overwrite to start over")
+    if (ray_address is not None or workers is not None) and not ray:
+        _fail("--ray-address and --workers only apply with --ray")
+    ray_options = None
+    if ray:
+        from moecc_runtime.distributed import RayOptions, import_ray
+
+        try:
+            import_ray()
+        except RuntimeError as e:
+            _fail(str(e))
+        if workers is not None and workers < 1:
+            _fail(f"--workers must be at least 1, not {workers}")
+        ray_options = RayOptions(address=ray_address, workers=workers)
     if errors is None and output is not None:
         errors = output.with_name(output.stem + ".errors.jsonl")
     try:
         summary = run_job(plan, prompts, output if output is not None else sys.stdout, errors_path=errors,
                           model_dir=model, max_tokens=max_tokens, device=device, max_batch=max_batch,
                           stats_path=stats, fmt=fmt, resume=resume, progress="quiet" if quiet else "auto",
-                          handle_signals=True, log=None if quiet else sys.stderr)
+                          handle_signals=True, log=None if quiet else sys.stderr, ray=ray_options)
     except (PlanError, WeightError, CopyError, ArenaError, OSError, RuntimeError, ValueError) as e:
         _fail(f"{e} (results finished before this are in {output or 'stdout'}; rerun with --resume to continue)")
     typer.echo(f"moecc: {summary.report()}" + (f"; errors in {errors}" if summary.failed and errors else ""),

@@ -116,11 +116,13 @@ def run_job(
     resume: bool = False,
     progress: str = "quiet",
     handle_signals: bool = False,
+    ray: Any = None,
 ) -> JobSummary:
     """Run every request of `prompts_path` through the plan, writing results to `output` (a
     stream, or a path: appended to with `resume`, else replaced) as they finish, in `fmt`
     ("moecc" or "openai"). `progress`: "auto", "rich", "plain" or "quiet". With
-    `stats_path`, write the job summary and per-step engine records (JSON)."""
+    `stats_path`, write the job summary and per-step engine records (JSON). With `ray`
+    (distributed.RayOptions), the requests run on a pool of Ray actors instead of here."""
     wall0 = time.perf_counter()
     plan = load_plan(plan_path)
     mdir = check_checkpoint(plan, model_dir)
@@ -139,95 +141,124 @@ def run_job(
             for p in done.repaired:
                 print(f"moecc: {p}: cut a torn last line left by an interrupted run", file=log)
     tok = Tokenizer(mdir)
-    context = int(plan["model"]["info"]["max_position_embeddings"])
     out_file = open(output, "a" if resume else "w", encoding="utf-8") if isinstance(output, (str, Path)) else output
     writer = ResultWriter(out_file, Path(errors_path) if errors_path else None, fmt,
                           model=Path(str(plan["model"]["dir"])).name, append_errors=resume)
     try:
-        return _run(plan, mdir, prompts_path, writer, tok, context, summary, done, wall0, max_tokens=max_tokens,
-                    device=device, max_batch=max_batch, log=log, stats_path=stats_path, progress=progress,
-                    handle_signals=handle_signals)
+        runner = _run if ray is None else _run_ray
+        return runner(plan, mdir, prompts_path, writer, tok, summary, done, wall0, max_tokens=max_tokens,
+                      device=device, max_batch=max_batch, log=log, stats_path=stats_path, progress=progress,
+                      handle_signals=handle_signals, **({} if ray is None else {"options": ray}))
     finally:
         writer.close()
         if out_file is not output:
             out_file.close()
 
 
-def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
-         context: int, summary: JobSummary, done: Done, wall0: float, *, max_tokens: int, device: str | None,
-         max_batch: int | None, log: IO[str] | None, stats_path: str | Path | None, progress: str,
-         handle_signals: bool) -> JobSummary:
-    apis: dict[str, tuple[str, str | None, tuple[str, ...]]] = {}  # custom_id -> (api, model, stop)
-    lines: dict[str, int] = {}  # custom_id -> input line
-    prog: Progress | None = None
+class Job:
+    """The bookkeeping a job shares between the local runner and the Ray one: reading and
+    validating its requests (skipping what a resumed job already did), writing results and
+    errors as they come, the summary and the progress display."""
 
-    def fail(record: dict[str, Any], text: str, api: str = "simple") -> None:
-        summary.failed += 1
-        summary.errors.append(record)
-        if log is not None:
-            if prog is not None:
-                prog.log(f"error: {text}")
-            else:
-                print(f"error: {text}", file=log)
-        writer.error(record, api)
-        if prog is not None:
-            prog.request(False)
+    def __init__(self, plan: dict[str, Any], prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
+                 summary: JobSummary, done: Done, log: IO[str] | None, max_tokens: int):
+        self.plan, self.prompts_path, self.writer, self.tok = plan, prompts_path, writer, tok
+        self.summary, self.done, self.log, self.max_tokens = summary, done, log, max_tokens
+        self.apis: dict[str, tuple[str, str | None, tuple[str, ...]]] = {}  # custom_id -> (api, model, stop)
+        self.lines: dict[str, int] = {}  # custom_id -> input line
+        self.prog: Progress | None = None
 
-    gen_requests: list[GenRequest] = []
-    vocab = int(plan["model"]["info"]["vocab_size"])
-    for item in iter_requests(prompts_path):
-        summary.requests += 1
-        if isinstance(item, RequestError):
-            rec = item.to_record()
-            if error_key(rec) in done.errors:
-                summary.skipped += 1
+    def read(self) -> list[GenRequest]:
+        """The requests still to run, encoded; bad lines and unencodable prompts fail here."""
+        context = int(self.plan["model"]["info"]["max_position_embeddings"])
+        vocab = int(self.plan["model"]["info"]["vocab_size"])
+        out: list[GenRequest] = []
+        for item in iter_requests(self.prompts_path):
+            self.summary.requests += 1
+            if isinstance(item, RequestError):
+                rec = item.to_record()
+                if error_key(rec) in self.done.errors:
+                    self.summary.skipped += 1
+                    continue
+                self.fail(rec, str(item), item.api)
                 continue
-            fail(rec, str(item), item.api)
-            continue
-        if item.custom_id in done.results or f"line:{item.line}" in done.errors:
-            summary.skipped += 1
-            continue
-        try:
-            gen_requests.append(_encode(item, tok, context, max_tokens, vocab))
-            lines[item.custom_id] = item.line
-            apis[item.custom_id] = (item.api, item.model, item.stop)
-        except ValueError as e:
-            field_ = "prompt" if item.prompt is not None else "messages"
-            if item.api != "simple":
-                field_ = "body." + field_
-            rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": field_, "message": str(e)}}
-            fail(rec, f"{prompts_path}:{item.line}: {e}", item.api)
+            if item.custom_id in self.done.results or f"line:{item.line}" in self.done.errors:
+                self.summary.skipped += 1
+                continue
+            try:
+                out.append(_encode(item, self.tok, context, self.max_tokens, vocab))
+                self.lines[item.custom_id] = item.line
+                self.apis[item.custom_id] = (item.api, item.model, item.stop)
+            except ValueError as e:
+                field_ = "prompt" if item.prompt is not None else "messages"
+                if item.api != "simple":
+                    field_ = "body." + field_
+                rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": field_, "message": str(e)}}
+                self.fail(rec, f"{self.prompts_path}:{item.line}: {e}", item.api)
+        return out
 
-    expected = sum(r.max_tokens for r in gen_requests) / max(1, len(gen_requests))
-    prog = Progress(len(gen_requests), expected, plan.get("predicted", {}).get("job_tokens_per_s"),
-                    mode=progress, stream=log or sys.stderr)
-    signals = _Signals(log, handle_signals)
-    start = time.perf_counter()
-    engine = Engine(plan, mdir, pick_device(device), record_steps=stats_path is not None)
+    def start_progress(self, requests: list[GenRequest], mode: str) -> Progress:
+        expected = sum(r.max_tokens for r in requests) / max(1, len(requests))
+        self.prog = Progress(len(requests), expected, self.plan.get("predicted", {}).get("job_tokens_per_s"),
+                             mode=mode, stream=self.log or sys.stderr)
+        return self.prog
 
-    def stop_check(req: GenRequest, generated: list[int]) -> bool:
-        text = tok.decode(generated)
+    def fail(self, record: dict[str, Any], text: str, api: str = "simple") -> None:
+        self.summary.failed += 1
+        self.summary.errors.append(record)
+        if self.log is not None:
+            if self.prog is not None:
+                self.prog.log(f"error: {text}")
+            else:
+                print(f"error: {text}", file=self.log)
+        self.writer.error(record, api)
+        if self.prog is not None:
+            self.prog.request(False)
+
+    def stop_check(self, req: GenRequest, generated: list[int]) -> bool:
+        text = self.tok.decode(generated)
         return any(s in text for s in req.stop)
 
-    def finished(r: GenResult) -> None:
-        api, model, stop = apis[r.key]
-        text = tok.decode(r.token_ids)
+    def finished(self, r: GenResult) -> None:
+        """Write a finished request's result (its text cut at the first stop string)."""
+        api, model, stop = self.apis[r.key]
+        text = self.tok.decode(r.token_ids)
         if stop:
             cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
             if cut >= 0:
                 text = text[:cut]
-        summary.succeeded += 1
-        summary.prompt_tokens += len(r.prompt_ids)
-        summary.completion_tokens += len(r.token_ids)
-        writer.result(r.key, api, text, r.token_ids, r.finish_reason, len(r.prompt_ids), model)
-        prog.request(True, len(r.token_ids))
+        self.summary.succeeded += 1
+        self.summary.prompt_tokens += len(r.prompt_ids)
+        self.summary.completion_tokens += len(r.token_ids)
+        self.writer.result(r.key, api, text, r.token_ids, r.finish_reason, len(r.prompt_ids), model)
+        if self.prog is not None:
+            self.prog.request(True, len(r.token_ids))
 
-    def failed(r: GenRequest, message: str) -> None:
-        line = lines.get(r.key)
-        api = apis.get(r.key, ("simple", None, ()))[0]
-        fail({"custom_id": r.key, "error": {"line": line, "field": "max_tokens" if api == "simple" else
-                                            "body.max_tokens", "message": message}},
-             f"{prompts_path}:{line}: {message}", api)
+    def failed(self, r: GenRequest, message: str) -> None:
+        """A request the engine could not run (it needs more KV than the whole pool)."""
+        line = self.lines.get(r.key)
+        api = self.apis.get(r.key, ("simple", None, ()))[0]
+        self.fail({"custom_id": r.key, "error": {"line": line, "field": "max_tokens" if api == "simple" else
+                                                 "body.max_tokens", "message": message}},
+                  f"{self.prompts_path}:{line}: {message}", api)
+
+    def write_stats(self, stats_path: str | Path | None) -> None:
+        if stats_path is not None:
+            import json
+
+            Path(stats_path).write_text(json.dumps(asdict(self.summary), indent=1) + "\n", encoding="utf-8")
+
+
+def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
+         summary: JobSummary, done: Done, wall0: float, *, max_tokens: int, device: str | None,
+         max_batch: int | None, log: IO[str] | None, stats_path: str | Path | None, progress: str,
+         handle_signals: bool) -> JobSummary:
+    job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens)
+    requests = job.read()
+    prog = job.start_progress(requests, progress)
+    signals = _Signals(log, handle_signals)
+    start = time.perf_counter()
+    engine = Engine(plan, mdir, pick_device(device), record_steps=stats_path is not None)
 
     def control() -> str:
         if signals.mode == "drain" and prog.note == "":
@@ -235,8 +266,8 @@ def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: Res
         return signals.mode
 
     try:
-        outcome = generate(engine, gen_requests, finished, max_batch=max_batch, on_error=failed,
-                           stop_check=stop_check, control=control, on_step=prog.step)
+        outcome = generate(engine, requests, job.finished, max_batch=max_batch, on_error=job.failed,
+                           stop_check=job.stop_check, control=control, on_step=prog.step)
         if outcome != "done":
             summary.status = "interrupted"
     finally:
@@ -247,10 +278,35 @@ def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: Res
         summary.engine = asdict(engine.stats)
         summary.engine["overlap_efficiency"] = engine.stats.overlap_efficiency
         engine.close()
-        if stats_path is not None:
-            import json
+        job.write_stats(stats_path)
+    return summary
 
-            Path(stats_path).write_text(json.dumps(asdict(summary), indent=1) + "\n", encoding="utf-8")
+
+def _run_ray(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
+             summary: JobSummary, done: Done, wall0: float, *, max_tokens: int, device: str | None,
+             max_batch: int | None, log: IO[str] | None, stats_path: str | Path | None, progress: str,
+             handle_signals: bool, options: Any) -> JobSummary:
+    from moecc_runtime.distributed import import_ray, run_on_ray
+
+    import_ray()  # fail before reading anything when Ray is not installed
+    job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens)
+    requests = job.read()
+    prog = job.start_progress(requests, progress)
+    signals = _Signals(log, handle_signals)
+    start = time.perf_counter()
+    dev = pick_device(device).type
+    try:
+        outcome = run_on_ray(job, requests, plan, mdir, device=dev, max_batch=max_batch, options=options,
+                             control=lambda: signals.mode, on_shard=getattr(options, "on_shard", None))
+        if outcome != "done":
+            summary.status = "interrupted"
+    finally:
+        signals.restore()
+        prog.close()
+        summary.seconds = time.perf_counter() - start
+        summary.wall_seconds = time.perf_counter() - wall0
+        summary.engine = {"ray": {"address": options.address, "workers": options.workers}}
+        job.write_stats(stats_path)
     return summary
 
 
