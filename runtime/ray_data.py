@@ -44,6 +44,8 @@ class MoeccPredictor:
     def _request(self, i: int, row: dict[str, Any]) -> GenRequest:
         if row.get(self.column) is not None:
             p = row[self.column]
+            if isinstance(p, str) and not p.strip():
+                raise ValueError(f"'{self.column}' is empty")
             ids = self.tok.encode_prompt(p) if isinstance(p, str) else [int(t) for t in p]
         elif row.get("messages") is not None:
             ids = self.tok.encode_messages(list(row["messages"]))

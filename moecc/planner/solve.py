@@ -5,7 +5,8 @@ Formulation (all times in µs, memory in bytes; `x_*` one-hot choices, `r_g` res
                   candidates: powers of two up to min(--max-batch, what host memory holds)
   decode          x_a[b_a] (attention micro-batch), x_e[b_e] (expert chunk)
   prefill         z[(b_a, b_e)] for each prompt-tokens-per-step tps (enumerated outside)
-  overlap         y[p] prefetch depth p in {0..3}; p + 1 expert slots on the device
+  overlap         y[p] prefetch depth p in {0..3}; p + 1 expert slots on the device (only p = 0
+                  when the profile says copies hide less than NO_OVERLAP behind compute)
   residency       r_g for g in L{i}.attn, L{i}.experts, L{i}.dense, head (1 = kept on device)
   per phase f and layer l:
     comp_fl = sum x . attention time(b_a) + sum x . expert/MLP time(b_e)      (measured rates)
@@ -44,6 +45,7 @@ DEVICE_DERATE = 0.9
 HOST_DERATE = 0.8
 TEMP_ALLOWANCE = 0  # the 0.9 derate leaves 10% of --gpu-mem for temporaries
 KV_BLOCK = 8
+NO_OVERLAP = 0.1  # a profile whose copies hide less than this behind compute gets no prefetch
 ALIGN = 256  # the runtime carves arena tensors at this alignment (runtime/arena.py)
 DENSE_SLOT_PAD = 16 * ALIGN  # room for the alignment of up to 16 tensors in one module's slot
 EXPERT_SLOT_PAD = 6 * ALIGN  # gate, up, down (+ biases)
@@ -181,6 +183,10 @@ def _tables(pr: Problem, B: int) -> _Tables:
         pre_tps = fit or pre_tps[:1]
     pre = [(t, a, e) for t in pre_tps for a in b_a for e in b_e]
     p = list(pr.prefetch_options) if pr.copies else [1]
+    if pr.copies and r.copy_overlap < NO_OVERLAP:  # copies cannot hide behind compute (a CPU's copy
+        # thread shares its cores and memory bus): a prefetch slot buys nothing, costs arena bytes,
+        # and two streams contending ran 6% slower than fetching in turn (bench/predict.py)
+        p = [0]
     ctx_dec = pr.prompt_tokens + pr.output_tokens / 2
     dec = StepShape(S=B, T=B, context=ctx_dec, head_rows=B)
 
