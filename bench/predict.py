@@ -12,7 +12,7 @@ Steps, all in one run:
      hand would, within the same budget);
   3. each plan runs the same prompts with `moecc exec --stats`; from the per-step records:
      measured decode tokens/s (steps without prefill, batch >= 90% of its peak) and prefill
-     tokens/s (prompt tokens / time of the steps that are mostly prompt tokens), the job's
+     tokens/s (prompt tokens / time of the steps that are >= 90% prompt tokens), the job's
      first step left out of both (first touch of the weights), against the planner's model
      evaluated for the plan's own sizes, residency and prefetch (hand-set plans too);
      every plan runs --repeats times, in rounds of alternating order; each round starts
@@ -130,9 +130,11 @@ def run_plan(plan_path: Path, prompts: Path, work: Path, name: str) -> dict[str,
     peak = max(r["sequences"] for r in recs)
     warm = recs[WARMUP_STEPS:]
     dec = [r for r in warm if r["prefill_tokens"] == 0 and r["sequences"] >= 0.9 * peak]
-    # prefill: the steps that are mostly prompt tokens (a refill step with a prompt or two among
-    # hundreds of decoding rows is a decode step, not what the prefill prediction describes)
-    pre = [r for r in warm if r["prefill_tokens"] >= r["decode_tokens"] and r["prefill_tokens"] > 0]
+    # prefill: the steps that are almost only prompt tokens (>= 90%): the prediction describes a
+    # pure prefill step, and the decode rows that ride along in later admission steps (up to a
+    # quarter of the rows here) would count their time against the prompt tokens
+    pre = [r for r in warm if r["prefill_tokens"] >= 0.9 * (r["prefill_tokens"] + r["decode_tokens"])
+           and r["prefill_tokens"] > 0]
     if not pre:
         pre = [r for r in recs if r["prefill_tokens"] > 0]
     return {
