@@ -242,7 +242,23 @@ class Job:
                                                  "body.max_tokens", "message": message}},
                   f"{self.prompts_path}:{line}: {message}", api)
 
-    def write_stats(self, stats_path: str | Path | None) -> None:
+    def control(self, signals: "_Signals") -> str:
+        """What the runner should do now (see generate's `control`), noted on the progress."""
+        if signals.mode == "drain" and self.prog is not None and self.prog.note == "":
+            self.prog.set_note("interrupted: finishing requests in flight")
+        return signals.mode
+
+    def end(self, outcome: str | None, signals: "_Signals", start: float, wall0: float, engine: dict[str, Any],
+            stats_path: str | Path | None) -> None:
+        """Close the run: status, timings, engine figures, progress, signal handlers, stats file."""
+        if outcome != "done":
+            self.summary.status = "interrupted"
+        signals.restore()
+        if self.prog is not None:
+            self.prog.close()
+        self.summary.seconds = time.perf_counter() - start
+        self.summary.wall_seconds = time.perf_counter() - wall0
+        self.summary.engine = engine
         if stats_path is not None:
             import json
 
@@ -260,25 +276,17 @@ def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: Res
     start = time.perf_counter()
     engine = Engine(plan, mdir, pick_device(device), record_steps=stats_path is not None)
 
-    def control() -> str:
-        if signals.mode == "drain" and prog.note == "":
-            prog.set_note("interrupted: finishing requests in flight")
-        return signals.mode
-
+    outcome = None
     try:
         outcome = generate(engine, requests, job.finished, max_batch=max_batch, on_error=job.failed,
-                           stop_check=job.stop_check, control=control, on_step=prog.step)
-        if outcome != "done":
-            summary.status = "interrupted"
+                           stop_check=job.stop_check, control=lambda: job.control(signals), on_step=prog.step)
     finally:
-        signals.restore()
-        prog.close()
-        summary.seconds = time.perf_counter() - start
-        summary.wall_seconds = time.perf_counter() - wall0
-        summary.engine = asdict(engine.stats)
-        summary.engine["overlap_efficiency"] = engine.stats.overlap_efficiency
-        engine.close()
-        job.write_stats(stats_path)
+        stats = asdict(engine.stats)
+        stats["overlap_efficiency"] = engine.stats.overlap_efficiency
+        try:
+            job.end(outcome, signals, start, wall0, stats, stats_path)
+        finally:
+            engine.close()
     return summary
 
 
@@ -291,22 +299,17 @@ def _run_ray(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer:
     import_ray()  # fail before reading anything when Ray is not installed
     job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens)
     requests = job.read()
-    prog = job.start_progress(requests, progress)
+    job.start_progress(requests, progress)
     signals = _Signals(log, handle_signals)
     start = time.perf_counter()
     dev = pick_device(device).type
+    outcome = None
     try:
         outcome = run_on_ray(job, requests, plan, mdir, device=dev, max_batch=max_batch, options=options,
-                             control=lambda: signals.mode, on_shard=getattr(options, "on_shard", None))
-        if outcome != "done":
-            summary.status = "interrupted"
+                             control=lambda: job.control(signals), on_shard=options.on_shard)
     finally:
-        signals.restore()
-        prog.close()
-        summary.seconds = time.perf_counter() - start
-        summary.wall_seconds = time.perf_counter() - wall0
-        summary.engine = {"ray": {"address": options.address, "workers": options.workers}}
-        job.write_stats(stats_path)
+        job.end(outcome, signals, start, wall0, {"ray": {"address": options.address, "workers": options.workers}},
+                stats_path)
     return summary
 
 
