@@ -11,5 +11,5 @@ OUT=examples/out
 mkdir -p "$OUT"
 [ -f "$MODEL/model.safetensors" ] || python -m moecc.testing.checkpoints "$MODEL" --preset demo
 moecc compile "$MODEL" --gpu-mem 24GB --dump-dir "$OUT/dumps" -o "$OUT/plan.pt"
-moecc exec "$OUT/plan.pt" examples/prompts.jsonl -o "$OUT/results.jsonl"
+moecc exec "$OUT/plan.pt" examples/prompts.jsonl -o "$OUT/results.jsonl" --overwrite
 cat "$OUT/results.jsonl"
