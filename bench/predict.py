@@ -122,7 +122,7 @@ def run_plan(plan_path: Path, prompts: Path, work: Path, name: str) -> dict[str,
     stats, results = work / f"stats-{name}.json", work / f"results-{name}.jsonl"
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "moecc.cli", "exec", str(plan_path), str(prompts), "-o", str(results),
-                    "--stats", str(stats), "--device", "cpu"], check=True, capture_output=True)
+                    "--stats", str(stats), "--device", "cpu", "--overwrite"], check=True, capture_output=True)
     wall = time.perf_counter() - t0
     s = json.loads(stats.read_text())
     eng = s["engine"]

@@ -139,7 +139,7 @@ def compile_and_exec(model: Path, prompts: Path, work: Path, name: str, compile_
     stats, results = work / f"stats-{name}.json", work / f"results-{name}.jsonl"
     t0 = time.perf_counter()
     subprocess.run(moecc + ["exec", str(plan), str(prompts), "-o", str(results), "--stats", str(stats),
-                            "--device", "cpu"], check=True)
+                            "--device", "cpu", "--overwrite"], check=True)
     return plan, json.loads(stats.read_text()), time.perf_counter() - t0, results
 
 
