@@ -34,6 +34,8 @@ def compile_cmd(
                                            "a100-80gb, h100-80gb, h200, cpu) or a JSON file from `moecc profile`. "
                                            "Unset: this machine's preset."),
     dump_dir: Optional[Path] = typer.Option(None, "--dump-dir", help="Write the graph after every pass as NNN_<pass>.txt."),
+    dump_format: str = typer.Option("txt", "--dump-format", help="Comma-separated dump formats: txt, onnx "
+                                    "(NNN_<pass>.onnx, one node per module-level op, opens in Netron)."),
     print_after: list[str] = typer.Option([], "--print-after", help="Print the graph after PASS (repeatable) or 'all'."),
     verify: bool = typer.Option(False, "--verify", help="Check the graph's well-formedness after every pass."),
 ) -> None:
@@ -62,6 +64,7 @@ def compile_cmd(
         plan, graph = compile_model(model_dir, gpu_mem=gpu, host_mem=host, prompt_tokens=prompt_tokens,
                                     output_tokens=output_tokens, max_batch=max_batch, hardware=hardware,
                                     dump_dir=dump_dir,
+                                    dump_formats=tuple(f.strip() for f in dump_format.split(",") if f.strip()),
                                     print_after=set(print_after) or None, verify=verify)
     except (MoeccError, ValueError) as e:
         _fail(str(e))

@@ -23,6 +23,7 @@ def compile_model(
     max_batch: int = 1024,
     hardware: str | os.PathLike | None = None,
     dump_dir: str | os.PathLike | None = None,
+    dump_formats: tuple[str, ...] = ("txt",),
     print_after: set[str] | None = None,
     verify: bool | None = None,
 ) -> tuple[dict[str, Any], Graph]:
@@ -39,7 +40,10 @@ def compile_model(
                              f"{', '.join(PASS_NAMES)}, or all")
     instruments: list[Any] = []
     if dump_dir is not None:
-        instruments.append(DumpIR(Path(dump_dir)))
+        bad = set(dump_formats) - {"txt", "onnx"}
+        if bad:
+            raise ValueError(f"--dump-format: unknown format {sorted(bad)}; formats: txt, onnx")
+        instruments.append(DumpIR(Path(dump_dir), formats=tuple(dump_formats)))
     if print_after:
         instruments.append(PrintAfter(set(print_after)))
     start = time.perf_counter()

@@ -54,17 +54,29 @@ def provenance(index: int, p: Pass, result: PassResult, seconds: float) -> str:
 
 @dataclass
 class DumpIR:
-    """Write the graph after every pass to DIR/NNN_<pass>.txt."""
+    """Write the graph after every pass to DIR/NNN_<pass>.txt and, with "onnx" in
+    `formats`, DIR/NNN_<pass>.onnx (moecc/onnx_export.py; the provenance line goes into
+    the model's doc string)."""
 
     directory: Path
     written: list[Path] = field(default_factory=list)
+    formats: tuple[str, ...] = ("txt",)
 
     def after_pass(self, index: int, p: Pass, result: PassResult, seconds: float) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"{index:03d}_{p.name}.txt"
-        body = format_graph(result.graph, weights=(index == 0))
-        path.write_text(provenance(index, p, result, seconds) + "\n" + body)
-        self.written.append(path)
+        head = provenance(index, p, result, seconds)
+        if "txt" in self.formats:
+            path = self.directory / f"{index:03d}_{p.name}.txt"
+            path.write_text(head + "\n" + format_graph(result.graph, weights=(index == 0)))
+            self.written.append(path)
+        if "onnx" in self.formats:
+            from moecc.onnx_export import graph_to_onnx
+
+            model = graph_to_onnx(result.graph, name=f"{index:03d}_{p.name}")
+            model.doc_string = head
+            path = self.directory / f"{index:03d}_{p.name}.onnx"
+            path.write_bytes(model.SerializeToString())
+            self.written.append(path)
 
 
 @dataclass
