@@ -64,11 +64,6 @@ class ShardRunner:
         self.tok = Tokenizer(Path(model_dir))
         self.max_batch = max_batch
 
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
     def run(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
         """Run a shard's requests to completion: {"results": [...], "errors": [[key, message]]}."""
         from moecc_runtime.generate import generate
@@ -77,23 +72,19 @@ class ShardRunner:
         results: list[dict[str, Any]] = []
         errors: list[list[str]] = []
 
-        def stop_check(req: GenRequest, generated: list[int]) -> bool:
-            text = self.tok.decode(generated)
-            return any(s in text for s in req.stop)
-
         generate(self.engine, reqs, lambda r: results.append({"key": r.key, "prompt_ids": r.prompt_ids,
                                                                "token_ids": r.token_ids,
                                                                "finish_reason": r.finish_reason}),
-                 max_batch=self.max_batch, on_error=lambda r, m: errors.append([r.key, m]), stop_check=stop_check)
+                 max_batch=self.max_batch, on_error=lambda r, m: errors.append([r.key, m]),
+                 stop_check=self.tok.stop_check)
         return {"results": results, "errors": errors, "steps": self.engine.stats.steps}
 
 
 def run_on_ray(job: Any, requests: list[GenRequest], plan: dict[str, Any], model_dir: Path, *, device: str,
-               max_batch: int | None, options: RayOptions, control: Callable[[], str],
-               on_shard: Callable[[Any, int], None] | None = None) -> str:
+               max_batch: int | None, options: RayOptions, control: Callable[[], str]) -> str:
     """Run `requests` on a pool of Ray actors, writing results through `job` (exec.Job) as
     shards finish. `control()` as for generate ("drain": no new shards; "stop": return now).
-    `on_shard(pool, shard index)` is called after each finished shard (tests use it to kill
+    `options.on_shard(pool, shard index)` is called after each finished shard (tests use it to kill
     an actor mid-job). Returns "done", "drained" or "stopped"."""
     ray = import_ray()
     if not ray.is_initialized():
@@ -113,7 +104,6 @@ def run_on_ray(job: Any, requests: list[GenRequest], plan: dict[str, Any], model
     todo = list(range(len(shards)))[::-1]  # a stack: pop() takes the lowest index
     inflight: dict[Any, tuple[int, Any]] = pool.inflight  # future -> (shard, actor)
     retried: set[int] = set()
-    mode = "run"
     try:
         while todo or inflight:
             mode = control()
@@ -151,8 +141,8 @@ def run_on_ray(job: Any, requests: list[GenRequest], plan: dict[str, Any], model
                     job.failed(by_key[key], message)
                 if job.prog is not None:
                     job.prog.step(sum(len(res["token_ids"]) for res in out["results"]), len(inflight))
-                if on_shard is not None:
-                    on_shard(pool, s)
+                if options.on_shard is not None:
+                    options.on_shard(pool, s)
         return "drained" if todo else "done"
     finally:
         pool.close()

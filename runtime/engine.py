@@ -136,7 +136,7 @@ class Engine:
         kv_plan = plan["batch"].get("kv", {})
         bs = int(block_size or kv_plan.get("block_size", DEFAULT_BLOCK_SIZE))
         seq_len = int(plan["batch"]["workload"]["seq_len"])
-        nb = int(kv_blocks or kv_plan.get("num_blocks") or int(batch["B"]) * -(-seq_len // bs))
+        nb = int(kv_blocks or kv_plan.get("num_blocks") or int(plan["batch"]["decode"]["B"]) * -(-seq_len // bs))
         i = self.info
         mla = i.get("extra", {}).get("mla")
         if mla:  # latent attention caches one "head": the latent and the rope key, no V

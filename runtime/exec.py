@@ -215,18 +215,10 @@ class Job:
         if self.prog is not None:
             self.prog.request(False)
 
-    def stop_check(self, req: GenRequest, generated: list[int]) -> bool:
-        text = self.tok.decode(generated)
-        return any(s in text for s in req.stop)
-
     def finished(self, r: GenResult) -> None:
         """Write a finished request's result (its text cut at the first stop string)."""
         api, model, stop = self.apis[r.key]
-        text = self.tok.decode(r.token_ids)
-        if stop:
-            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
+        text = self.tok.output_text(r.token_ids, stop)
         self.summary.succeeded += 1
         self.summary.prompt_tokens += len(r.prompt_ids)
         self.summary.completion_tokens += len(r.token_ids)
@@ -279,7 +271,7 @@ def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: Res
     outcome = None
     try:
         outcome = generate(engine, requests, job.finished, max_batch=max_batch, on_error=job.failed,
-                           stop_check=job.stop_check, control=lambda: job.control(signals), on_step=prog.step)
+                           stop_check=tok.stop_check, control=lambda: job.control(signals), on_step=prog.step)
     finally:
         stats = asdict(engine.stats)
         stats["overlap_efficiency"] = engine.stats.overlap_efficiency
@@ -306,7 +298,7 @@ def _run_ray(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer:
     outcome = None
     try:
         outcome = run_on_ray(job, requests, plan, mdir, device=dev, max_batch=max_batch, options=options,
-                             control=lambda: job.control(signals), on_shard=options.on_shard)
+                             control=lambda: job.control(signals))
     finally:
         job.end(outcome, signals, start, wall0, {"ray": {"address": options.address, "workers": options.workers}},
                 stats_path)

@@ -77,23 +77,17 @@ class MoeccPredictor:
             except (ValueError, TypeError) as e:
                 errors[i] = str(e)
 
-        def stop_check(req: GenRequest, generated: list[int]) -> bool:
-            text = self.tok.decode(generated)
-            return any(s in text for s in req.stop)
-
         def finished(r: Any) -> None:
             i = int(r.key)
-            text = self.tok.decode(r.token_ids)
-            req = reqs_by_key[r.key]
-            cut = min((j for j in (text.find(s) for s in req.stop) if j >= 0), default=-1)
-            texts[i], ids[i], reasons[i] = (text[:cut] if cut >= 0 else text), r.token_ids, r.finish_reason
+            texts[i], ids[i], reasons[i] = self.tok.output_text(r.token_ids, reqs_by_key[r.key].stop), \
+                r.token_ids, r.finish_reason
             prompt_tokens[i] = len(r.prompt_ids)
 
         def failed(r: GenRequest, message: str) -> None:
             errors[int(r.key)] = message
 
         reqs_by_key = {r.key: r for r in reqs}
-        generate(self.engine, reqs, finished, max_batch=self.max_batch, on_error=failed, stop_check=stop_check)
+        generate(self.engine, reqs, finished, max_batch=self.max_batch, on_error=failed, stop_check=self.tok.stop_check)
         out = {k: np.asarray(v, dtype=object) if not isinstance(batch[k], np.ndarray) else batch[k]
                for k, v in cols.items()}
         out.update(text=np.asarray(texts, dtype=object), token_ids=np.asarray(ids + [None], dtype=object)[:-1],

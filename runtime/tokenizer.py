@@ -40,3 +40,15 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def stop_check(self, req: Any, generated: list[int]) -> bool:
+        """Whether the text of `generated` holds one of the request's stop strings
+        (generate's `stop_check`)."""
+        text = self.decode(generated)
+        return any(s in text for s in req.stop)
+
+    def output_text(self, ids: list[int], stop: tuple[str, ...] = ()) -> str:
+        """The text of a finished request, cut before the first stop string it holds."""
+        text = self.decode(ids)
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+        return text[:cut] if cut >= 0 else text
