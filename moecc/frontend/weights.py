@@ -105,8 +105,8 @@ class WeightResolver:
         [2I], down [I, H] and its bias [H]; each a dim-0 slice of the fused tensor."""
         shapes = {"gate_up": (hidden, 2 * inter), "gate_up_bias": (2 * inter,), "down": (inter, hidden),
                   "down_bias": (hidden,)}
-        names = {part: f"{prefix}.{part}_proj" if not part.endswith("_bias") else
-                 f"{prefix}.{part.removesuffix('_bias')}_proj_bias" for part in shapes}
+        names = {"gate_up": f"{prefix}.gate_up_proj", "gate_up_bias": f"{prefix}.gate_up_proj_bias",
+                 "down": f"{prefix}.down_proj", "down_bias": f"{prefix}.down_proj_bias"}
         out: dict[str, WeightRef] = {}
         for part, shape in shapes.items():
             found = self._find(names[part]) if self.ckpt.has_weights else names[part]
