@@ -113,7 +113,8 @@ class HardwareProfile:
     curves: dict = field(default_factory=dict)
     # share of a transfer's time that can run behind compute: 1 for a GPU's DMA copy engine;
     # on a CPU-only machine the copy thread takes cores and memory bandwidth from compute
-    # (`moecc profile` measures it: GEMMs timed alone and beside a copying thread)
+    # (`moecc profile` measures it on the runtime's streamed expert loop); from -2 to 1,
+    # below 0 when a second of copying costs compute more than a second
     copy_overlap: float = 1.0
 
     def __post_init__(self) -> None:
@@ -289,8 +290,8 @@ def _validate(d: Any, *, origin: str | None) -> None:
         if f.name not in d and f.name not in ("curves", "copy_overlap"):
             raise bad(f.name, "is missing")
     ov = d.get("copy_overlap", 1.0)
-    if isinstance(ov, bool) or not isinstance(ov, (int, float)) or not 0.0 <= ov <= 1.0:
-        raise bad("copy_overlap", f"must be a number from 0 to 1, got {ov!r}")
+    if isinstance(ov, bool) or not isinstance(ov, (int, float)) or not -2.0 <= ov <= 1.0:
+        raise bad("copy_overlap", f"must be a number from -2 to 1, got {ov!r}")
     text("name", d["name"])
     text("source", d["source"], SOURCES)
     text("device_kind", d["device_kind"], DEVICE_KINDS)

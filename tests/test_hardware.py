@@ -227,6 +227,7 @@ def _broken(edit) -> dict:
     (lambda d: d.__setitem__("curves", {"copy": {"d2d": [[1, 1]]}}), "curves.copy.d2d"),
     (lambda d: d.__setitem__("curves", {"roofline": {}}), "curves.roofline"),
     (lambda d: d.__setitem__("copy_overlap", 1.5), "copy_overlap"),
+    (lambda d: d.__setitem__("copy_overlap", -2.5), "copy_overlap"),
     (lambda d: d.__setitem__("curves", {"mlp": {"float32": [[1, 1]]}}), "curves.mlp.float32"),
     (lambda d: d.__setitem__("copy_overlap", "half"), "copy_overlap"),
 ])
@@ -285,7 +286,7 @@ def test_profile_quick_cli_writes_a_loadable_profile(tmp_path):
     assert p.cpu_flops == p.device_flops
     assert all(math.isfinite(r) and r > 0 for r in [p.device_bandwidth, p.host_bandwidth, p.h2d_bandwidth])
     assert p.gemm_rate("float32", 16) > 0 and p.attention_rate("float32", 1 << 20, on_cpu=True) > 0
-    assert 0.0 <= p.copy_overlap <= 1.0 and "can hide behind compute" in result.output
+    assert -2.0 <= p.copy_overlap <= 1.0 and "can hide behind compute" in result.output
 
 
 def test_profile_cli_rejects_bad_dtype_and_device(tmp_path):

@@ -201,7 +201,9 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
 
     With an arena (`knobs.streams`) fetches and KV loads are copy-lane jobs; a copy that
     cannot fully hide behind compute (`rates.copy_overlap` < 1: a CPU's copy thread shares
-    its cores) also lengthens the compute job that consumes it by the share it steals."""
+    its cores) also lengthens the compute job that consumes it by the share it steals
+    (1 - copy_overlap of its length, more than its length when copy_overlap < 0); an expert
+    fetch with prefetch 0 runs while compute waits for it and steals nothing."""
     dt = cost.dtype
     streams = knobs.streams
     steal = 1.0 - rates.copy_overlap
@@ -264,7 +266,9 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
                                 [computes[back] if back >= 0 else prev], i)
                 t = share * expert_seconds(rates, dt, lc.expert_flops, per_expert, knobs.b_e,
                                            mlp_shape(lc, rates)) + share * 8 * OP_OVERHEAD_S
-                computes.append(add(f"L{i}.expert.{e}", "compute", t + stolen(fetch), "gemm", [prev, fetch], i))
+                # prefetch 0: the fetch ran while compute waited for it (one slot), so it stole nothing
+                steal_e = stolen(fetch) if knobs.prefetch > 0 else 0.0
+                computes.append(add(f"L{i}.expert.{e}", "compute", t + steal_e, "gemm", [prev, fetch], i))
             prev = computes[-1]
         else:
             dfetch = None
