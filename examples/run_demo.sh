@@ -10,6 +10,6 @@ MODEL=examples/demo-model
 OUT=examples/out
 mkdir -p "$OUT"
 [ -f "$MODEL/model.safetensors" ] || python -m moecc.testing.checkpoints "$MODEL" --preset demo
-moecc compile "$MODEL" --gpu-mem 24GB --dump-dir "$OUT/dumps" -o "$OUT/plan.pt"
+moecc compile "$MODEL" --gpu-mem 24GB --dump-dir "$OUT/dumps" --dump-format txt,onnx,svg -o "$OUT/plan.pt"
 moecc exec "$OUT/plan.pt" examples/prompts.jsonl -o "$OUT/results.jsonl" --overwrite
 cat "$OUT/results.jsonl"

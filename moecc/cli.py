@@ -35,7 +35,8 @@ def compile_cmd(
                                            "Unset: this machine's preset."),
     dump_dir: Optional[Path] = typer.Option(None, "--dump-dir", help="Write the graph after every pass as NNN_<pass>.txt."),
     dump_format: str = typer.Option("txt", "--dump-format", help="Comma-separated dump formats: txt, onnx "
-                                    "(NNN_<pass>.onnx, one node per module-level op, opens in Netron)."),
+                                    "(NNN_<pass>.onnx, one node per module-level op, opens in Netron), svg "
+                                    "(NNN_<pass>.svg, the graph drawn; graphviz dot's layout when installed)."),
     print_after: list[str] = typer.Option([], "--print-after", help="Print the graph after PASS (repeatable) or 'all'."),
     verify: bool = typer.Option(False, "--verify", help="Check the graph's well-formedness after every pass."),
 ) -> None:
@@ -180,19 +181,33 @@ def explain_cmd(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="A prompts file to estimate the job's ETA for."),
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory, if moved since compile "
                                          "(only needed with --prompts)."),
+    timeline: Optional[Path] = typer.Option(None, "--timeline", help="Draw the predicted schedule of one decode "
+                                            "and one prefill step (compute and copy lanes, critical path) as SVG."),
+    measured: Optional[Path] = typer.Option(None, "--measured", help="With --timeline: a `moecc exec --stats` file "
+                                            "whose measured timeline is drawn below the predicted one."),
+    layers: int = typer.Option(2, "--layers", help="Layers the timeline shows (0: all, with the head)."),
 ) -> None:
     """Predicted prefill and decode tokens/s, their bottlenecks, memory use and the ETA of a job."""
     import json
 
-    from moecc.explain import explain, format_explain
+    from moecc.explain import explain, format_explain, write_timeline
+    from moecc.timeline_svg import TimelineError
     from moecc_runtime.plan import PlanError, load_plan
 
+    if measured is not None and timeline is None:
+        _fail("--measured needs --timeline OUT.svg (where to draw predicted and measured)")
+    if layers < 0:
+        _fail(f"--layers must be 0 (all) or more, got {layers}")
     try:
         p = load_plan(plan)
         rep = explain(p, prompts, model)
-    except (PlanError, OSError, RuntimeError) as e:
+        if timeline is not None:
+            write_timeline(p, timeline, measured, layers or None)
+    except (PlanError, OSError, RuntimeError, TimelineError) as e:
         _fail(str(e))
     typer.echo(json.dumps(rep, indent=1) if json_out else format_explain(rep))
+    if timeline is not None and not json_out:
+        typer.echo(f"wrote {timeline}" + (f" (predicted and measured from {measured})" if measured else ""))
 
 
 @app.command("profile")

@@ -40,9 +40,9 @@ def compile_model(
                              f"{', '.join(PASS_NAMES)}, or all")
     instruments: list[Any] = []
     if dump_dir is not None:
-        bad = set(dump_formats) - {"txt", "onnx"}
+        bad = set(dump_formats) - {"txt", "onnx", "svg"}
         if bad:
-            raise ValueError(f"--dump-format: unknown format {sorted(bad)}; formats: txt, onnx")
+            raise ValueError(f"--dump-format: unknown format {sorted(bad)}; formats: txt, onnx, svg")
         instruments.append(DumpIR(Path(dump_dir), formats=tuple(dump_formats)))
     if print_after:
         instruments.append(PrintAfter(set(print_after)))

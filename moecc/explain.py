@@ -100,3 +100,26 @@ def format_explain(rep: dict[str, Any]) -> str:
 def _hms(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+
+
+def write_timeline(plan: dict[str, Any], out: Path, measured: Path | None = None, layers: int | None = 2) -> Path:
+    """Draw the plan's predicted decode and prefill steps (and, from a `moecc exec --stats`
+    file, the measured ones) to `out` as SVG (moecc/timeline_svg.py)."""
+    import json
+
+    from moecc.timeline_svg import TimelineError, draw_timeline
+
+    meas = None
+    if measured is not None:
+        try:
+            stats = json.loads(Path(measured).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TimelineError(f"--measured {measured}: not a readable stats JSON file ({e})") from e
+        meas = (stats.get("engine") or {}).get("timeline") if isinstance(stats, dict) else None
+        if not meas:
+            raise TimelineError(f"--measured {measured}: no field engine.timeline; write it with `moecc exec "
+                                f"--stats` of this moecc on a job with a full decode or prefill step")
+    name = f"{plan['model']['architecture']} on {plan.get('predicted', {}).get('hardware') or 'unknown hardware'}"
+    out = Path(out)
+    out.write_text(draw_timeline(plan.get("timeline") or {}, meas, layers, title=name), encoding="utf-8")
+    return out

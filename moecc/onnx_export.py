@@ -3,8 +3,10 @@
 One ONNX node per IR node: elementwise ops ONNX has (Add, Mul, Sigmoid) in the default
 domain, everything else (attention, router, experts, norms, host buffers, transfers) in
 moecc's own domain `ai.moecc`. Each node's attributes carry its role, module, layer, shape,
-FLOPs per token, weight bytes and weight references, and every attribute of the IR node
-(the solved batch sizes sit on the graph after solve_batch_sizes, as metadata). The model
+FLOPs per token, weight bytes and weight references, where it runs (host, copy engine,
+device with its weights resident or streamed), the solved batch sizes that apply to it (B,
+b_a on attention, b_e on experts, per phase, once solve_batch_sizes has run), and every
+attribute of the IR node; the graph's own attributes (the solution, memory) are metadata. The model
 passes `onnx.checker.check_model`; `onnx_roles` reads the roles back.
 """
 
@@ -39,9 +41,44 @@ def _attr_value(v: Any) -> Any:
     return json.dumps(v, default=str)
 
 
-def _node_attrs(n: Node) -> dict[str, Any]:
+def placement(n: Node, graph: Graph) -> str:
+    """Where the runtime runs the node: "host" (the stem, host buffers), "copy engine"
+    (transfers), "device, resident" (weights kept in the arena) or "device"."""
+    if n.role == "transfer":
+        return f"copy engine ({n.attrs.get('direction', 'h2d')})"
+    if n.module == "stem" or n.op == "host_buffer":
+        return "host"
+    arena = graph.attrs.get("arena")
+    if arena is None:
+        return "device"
+    groups = set(arena.get("resident") or [])
+    layer = n.module.split(".")[0] if n.module else ""
+    group = ("head" if n.module == "head" else f"{layer}.attn" if n.module and n.module.endswith(".attn")
+             else f"{layer}.experts" if n.op == "experts" else f"{layer}.dense")
+    return "device, resident" if group in groups or "all" in groups else "device, streamed"
+
+
+def _batch_attrs(n: Node, graph: Graph) -> dict[str, int]:
+    """The solved sizes that apply to the node: B for every module; b_a on attention, b_e
+    on experts and dense MLPs; per phase."""
+    batch = graph.attrs.get("batch")
+    if not batch or n.module is None or n.op in ("input", "output"):
+        return {}
+    out = {}
+    for phase in ("decode", "prefill"):
+        b = batch.get(phase, {})
+        out[f"batch.{phase}.B"] = int(b.get("B", 0))
+        if n.op == "attention":
+            out[f"batch.{phase}.b_a"] = int(b.get("b_a", 0))
+        if n.op in ("experts", "mlp"):
+            out[f"batch.{phase}.b_e"] = int(b.get("b_e", 0))
+    return out
+
+
+def _node_attrs(n: Node, graph: Graph) -> dict[str, Any]:
     out: dict[str, Any] = {"role": n.role, "shape": json.dumps(list(n.shape), default=str),
-                           "flops_per_token": int(n.flops_per_token), "weight_bytes": int(n.weight_bytes)}
+                           "flops_per_token": int(n.flops_per_token), "weight_bytes": int(n.weight_bytes),
+                           "device": placement(n, graph), **_batch_attrs(n, graph)}
     if n.module is not None:
         out["module"] = n.module
     if n.layer is not None:
@@ -77,18 +114,18 @@ def graph_to_onnx(graph: Graph, name: str = "moecc") -> Any:
             continue
         standard = _STANDARD.get(n.op)
         op_type = standard or _OP_TYPES.get(n.op, n.op.title().replace("_", ""))
-        attrs = _node_attrs(n) if standard is None else {}
+        attrs = _node_attrs(n, graph) if standard is None else {}
         node = helper.make_node(op_type, list(n.inputs), [n.name], name=n.name,
                                 domain="" if standard else DOMAIN, **attrs)
         if standard is not None:  # standard ops take no foreign attributes: describe them in doc_string
-            node.doc_string = json.dumps(_node_attrs(n), default=str)
+            node.doc_string = json.dumps(_node_attrs(n, graph), default=str)
         nodes.append(node)
     g = helper.make_graph(nodes, name, inputs, outputs)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)],
                               producer_name="moecc")
     meta = {"architecture": graph.info.architecture, "properties": ",".join(sorted(graph.properties))}
     for k, v in graph.attrs.items():  # e.g. the solved batch sizes after solve_batch_sizes
-        if k != "plan":  # the emitted plan itself: the .pt holds it
+        if k not in ("plan", "timeline"):  # the emitted plan itself and its job lists: the .pt holds them
             meta[f"graph.{k}"] = json.dumps(v, default=str)
     onnx.helper.set_model_props(model, meta)
     return model

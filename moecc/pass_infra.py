@@ -56,7 +56,8 @@ def provenance(index: int, p: Pass, result: PassResult, seconds: float) -> str:
 class DumpIR:
     """Write the graph after every pass to DIR/NNN_<pass>.txt and, with "onnx" in
     `formats`, DIR/NNN_<pass>.onnx (moecc/onnx_export.py; the provenance line goes into
-    the model's doc string)."""
+    the model's doc string), with "svg", DIR/NNN_<pass>.svg (moecc/graph_svg.py; the
+    provenance line is its heading)."""
 
     directory: Path
     written: list[Path] = field(default_factory=list)
@@ -76,6 +77,12 @@ class DumpIR:
             model.doc_string = head
             path = self.directory / f"{index:03d}_{p.name}.onnx"
             path.write_bytes(model.SerializeToString())
+            self.written.append(path)
+        if "svg" in self.formats:
+            from moecc.graph_svg import graph_to_svg
+
+            path = self.directory / f"{index:03d}_{p.name}.svg"
+            path.write_text(graph_to_svg(result.graph, heading=head.lstrip("# ")), encoding="utf-8")
             self.written.append(path)
 
 

@@ -78,7 +78,11 @@ def format_graph(g: Graph, *, weights: bool = False) -> str:
         if key == "plan":
             continue
         lines.append(f"\n# {key}:")
-        lines.extend(_format_attr(g.attrs[key], "#   "))
+        value = g.attrs[key]
+        if key == "timeline":  # job lists: summarised (moecc explain --timeline draws them)
+            value = {ph: {"step_s": round(t["step_s"], 6), "jobs": len(t["jobs"]), "edges": len(t["edges"]),
+                          "critical_jobs": len(t["critical"])} for ph, t in value.items()}
+        lines.extend(_format_attr(value, "#   "))
     return "\n".join(lines) + "\n"
 
 

@@ -71,6 +71,7 @@ class CopyEngine:
         self.wait_s = 0.0  # compute blocked on tickets
         self.bytes = 0
         self.copies = 0
+        self.trace: Any = None  # a timeline.StepTrace recording this step's copies, if any
         self._q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="moecc-copy", daemon=True)
         self._thread.start()
@@ -101,7 +102,11 @@ class CopyEngine:
                 self.copies += 1
             except BaseException as e:  # handed to whoever waits on the ticket
                 job.ticket._error = e
-            self.copy_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.copy_s += t1 - t0
+            trace = self.trace
+            if trace is not None:
+                trace.copy_done(job.ticket.what, t0, t1)
             job.ticket._done.set()
 
     def drain(self) -> None:

@@ -35,9 +35,13 @@ from moecc_runtime.arena import DeviceArena, Region, align
 from moecc_runtime.copy_engine import CopyEngine
 from moecc_runtime.kv import PagedKVCache
 from moecc_runtime.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
+from moecc_runtime.timeline import StepTrace
 from moecc_runtime.weights import TORCH_DTYPES, WeightStore
 
 TRANSFER_OPS = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
+#: op -> its kind on the measured timeline (the planner's job kinds; the rest is "glue")
+_TIMELINE_KINDS = {"attention": "attention", "router": "router", "mlp": "gemm", "linear": "gemm",
+                   "lm_head": "head", "embed": "stem", "rope": "stem"}
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -96,6 +100,8 @@ class EngineStats:
     peak_device_bytes: int = 0  # arena bytes used at the peak (+ CUDA temporaries on CUDA)
     arena_usage: dict[str, int] = field(default_factory=dict)  # region -> highest byte used
     records: list[StepRecord] | None = None  # per step, when the engine was asked to keep them
+    # with records: the measured timeline of one decode and one prefill step (runtime/timeline.py)
+    timeline: dict[str, Any] = field(default_factory=dict)
 
     @property
     def overlap_efficiency(self) -> float | None:
@@ -148,6 +154,8 @@ class Engine:
         self._host_bufs: dict[str, torch.Tensor] = {}  # host buffer storage by value name, reused
         self.stats = EngineStats(records=[] if record_steps else None)
         self._step_no = 0
+        self._trace: StepTrace | None = None  # the step being recorded for the timeline, if any
+        self._layer: int | None = None  # layer of the module running (for the timeline)
         self.arena: DeviceArena | None = None
         self.copy: CopyEngine | None = None
         self.stage: Region | None = None
@@ -190,10 +198,15 @@ class Engine:
         experts_before = self.stats.experts_run
         copy0 = (self.copy.copy_s, self.copy.wait_s, self.copy.bytes) if self.copy else (0.0, 0.0, 0)
         self._step_no += 1
-        self.b_a, self.b_e = self._phase_sizes["prefill" if 2 * b.prefill_tokens > b.T else "decode"]
+        phase = "prefill" if 2 * b.prefill_tokens > b.T else "decode"
+        self.b_a, self.b_e = self._phase_sizes[phase]
+        trace = self._trace = self._trace_for(phase, b, t0)
+        if self.copy is not None:
+            self.copy.trace = trace
         mbs = b.micro_batches(self.b_a, self.kv_staging.cap_blocks)
         for index, module in enumerate(self.schedule):
             kind = module["kind"]
+            self._layer = module.get("layer")
             self.weights.enter(index)
             if kind == "attn":
                 self._run_attention_module(index, module, env, b, mbs)
@@ -204,8 +217,34 @@ class Engine:
         for s, n in work:
             s.cached += n
         assert logits is not None, "plan has no head module"
-        self._account(b, time.perf_counter() - t0, self.stats.experts_run - experts_before, copy0)
+        if trace is not None and self.copy is not None:
+            self.copy.trace = None  # before the clock stops: no recorded copy ends after the step
+        seconds = time.perf_counter() - t0
+        if trace is not None:
+            self._trace = None
+            self.stats.timeline[phase] = trace.finish(seconds, len(b.work), b.T, b.prefill_tokens)
+        self._account(b, seconds, self.stats.experts_run - experts_before, copy0)
         return b.finishing, logits.float()
+
+    def _trace_for(self, phase: str, b: "_StepBatch", t0: float) -> StepTrace | None:
+        """Record this step's timeline? Only with step records on. Each phase keeps the step
+        that ranks highest so far: prefill steps by (past the first step, which pays first
+        touches, and >= 90% prompt tokens; then the prompt share), decode-only steps by
+        (past the first two steps; then sequences: the first step at the largest batch)."""
+        if self.stats.records is None:
+            return None
+        kept = self.stats.timeline.get(phase)
+        if phase == "prefill":
+            share = b.prefill_tokens / max(1, b.T)
+            rank = (self._step_no > 1 and share >= 0.9, share)
+            old = (kept["step"] > 1 and kept["prefill_tokens"] >= 0.9 * kept["tokens"],
+                   kept["prefill_tokens"] / max(1, kept["tokens"])) if kept else None
+        else:
+            if b.prefill_tokens:
+                return None
+            rank = (self._step_no > 2, len(b.work))
+            old = (kept["step"] > 2, kept["sequences"]) if kept else None
+        return StepTrace(phase, self._step_no, t0) if old is None or rank > old else None
 
     def _run_attention_module(self, index: int, module: dict, env: dict[str, torch.Tensor], b: "_StepBatch",
                               mbs: list["_MicroBatch"]) -> None:
@@ -291,10 +330,12 @@ class Engine:
             local[name] = dst  # brought over once per module run, however many ops read it
             return dst
 
+        trace = self._trace
         for op in module["ops"]:
             kind = op["op"]
             if kind in TRANSFER_OPS:
                 continue  # the weights policy and the KV staging did these (see streaming.py)
+            t_op = time.perf_counter() if trace is not None else 0.0
             inputs = [arg(i) for i in op["inputs"] if self._producer.get(i) not in TRANSFER_OPS]
             if kind == "host_buffer":
                 full = env.get(op["name"])
@@ -304,6 +345,10 @@ class Engine:
                 full[rows] = x.to("cpu")
                 continue
             last = local[op["name"]] = self._compute(op, inputs, mb, kv)
+            if trace is not None and kind != "experts":  # experts: one job per expert (StepTrace.experts)
+                name = f"L{self._layer}.attn.{mb.index}" if kind == "attention" and mb is not None else \
+                    f"{module['module']}.{op['name']}"
+                trace.add(name, "compute", _TIMELINE_KINDS.get(kind, "glue"), self._layer, t_op, time.perf_counter())
         return last
 
     def _host_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -337,8 +382,13 @@ class Engine:
                                  self._w(op, "bias") if "bias" in op["weights"] else None)
         if kind == "experts":
             top_w, top_i = x[1]
-            out, used = kernels.experts(x[0], top_w, top_i, lambda es: self.weights.experts(op, es),
-                                        a["num_experts"], kernels.expert_mlp(a), self.b_e)
+            trace, layer = self._trace, self._layer
+
+            def weights(es: list[int]):
+                it = self.weights.experts(op, es)
+                return it if trace is None else trace.experts(it, layer, es)
+
+            out, used = kernels.experts(x[0], top_w, top_i, weights, a["num_experts"], kernels.expert_mlp(a), self.b_e)
             self.stats.experts_run += used
             return out
         if kind == "mlp":
@@ -463,6 +513,7 @@ class _MicroBatch:
     tables: list[list[int]]
     write_blocks: torch.Tensor  # [t] where each row's K/V goes
     write_offsets: torch.Tensor  # [t]
+    index: int = 0  # which micro-batch of the step
     _views: dict[int | None, _KVView] = field(default_factory=dict)
 
     def view(self, window: int | None, bs: int) -> _KVView:
@@ -576,8 +627,8 @@ class _StepBatch:
             cuts.append((a, z))
             a = z
         mbs = []
-        for a, z in cuts:
+        for j, (a, z) in enumerate(cuts):
             r0, r1 = self.spans[a][0], self.spans[z - 1][1]
             items = [(s.sid, self.spans[i][0] - r0, s.cached, n) for i, (s, n) in enumerate(self.work[a:z], start=a)]
-            mbs.append(_MicroBatch(r0, r1, items, self.tables[a:z], self.blocks[r0:r1], self.offsets[r0:r1]))
+            mbs.append(_MicroBatch(r0, r1, items, self.tables[a:z], self.blocks[r0:r1], self.offsets[r0:r1], j))
         return mbs

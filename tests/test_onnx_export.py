@@ -35,6 +35,17 @@ def test_onnx_dumps_after_every_pass_check_and_round_trip(checkpoints, tmp_path)
         for k, v in n.attrs.items():
             if isinstance(v, (int, str)) and not isinstance(v, bool):
                 assert r[f"attr.{k}"] == v, (n.name, k)
+    attn = next(n for n in nodes if n.op == "attention")
+    experts = next(n for n in nodes if n.op == "experts")
+    assert back[attn.name]["batch.decode.b_a"] == plan["batch"]["decode"]["b_a"]
+    assert back[experts.name]["batch.prefill.b_e"] == plan["batch"]["prefill"]["b_e"]
+    assert back[experts.name]["batch.decode.B"] == plan["batch"]["decode"]["B"]
+    resident = set(plan["arena"]["resident"])
+    assert back[experts.name]["device"] == ("device, resident" if "L0.experts" in resident else "device, streamed")
+    assert {back[n.name]["device"] for n in nodes if n.role == "transfer"} <= {"copy engine (h2d)", "copy engine (d2h)"}
+    assert back["embed"]["device"] == "host"
+    first = onnx_roles(onnx.load(str(onnx_files[0])))  # before solving: no batch sizes yet
+    assert not any(k.startswith("batch.") for r in first.values() for k in r)
     kinds = {n.op_type for n in last.graph.node if n.domain == DOMAIN}
     assert {"Attention", "Router", "Experts", "HostBuffer", "FetchExperts", "KVLoad"} <= kinds
     props = {p.key: p.value for p in last.metadata_props}
@@ -43,7 +54,7 @@ def test_onnx_dumps_after_every_pass_check_and_round_trip(checkpoints, tmp_path)
 
 def test_unknown_dump_format_is_refused(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="unknown format"):
-        compile_model(checkpoints("mixtral", "per_expert"), dump_dir=tmp_path, dump_formats=("txt", "svg"))
+        compile_model(checkpoints("mixtral", "per_expert"), dump_dir=tmp_path, dump_formats=("txt", "png"))
 
 
 def test_gpt_oss_graph_exports(checkpoints):

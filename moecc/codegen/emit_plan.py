@@ -80,6 +80,7 @@ class EmitPlan(Pass):
                      "attention_scaling": float(rope.attrs["attention_scaling"])},
             "schedule": schedule,
             "output": "lm_head",
+            "timeline": g.attrs.get("timeline"),  # predicted step DAGs (moecc explain --timeline)
             "predicted": {
                 "flops_per_token": flops,
                 "weight_bytes": g.weight_bytes,

@@ -8,7 +8,8 @@ Does: reads the hardware profile (ctx option `hardware`: a preset name, a profil
   or None for this machine's default), the budgets (`gpu_mem`, `host_mem`, bytes), the
   workload (`prompt_tokens`, `output_tokens`, `max_batch`); fails with BudgetError naming
   the smallest budget that would fit when even the minimum working set does not.
-Guarantees: batch_sizes (graph.attrs["batch"], ["memory"], ["solution"], ["predicted"]);
+Guarantees: batch_sizes (graph.attrs["batch"], ["memory"], ["solution"], ["predicted"],
+  ["timeline"]: the predicted decode and prefill step DAGs as plain data);
   every plan fits --gpu-mem at a 0.9 derate and --host-mem at a 0.8 derate.
 """
 
@@ -19,7 +20,7 @@ from moecc.ir import Graph
 from moecc.pass_infra import Pass, PassContext, PassResult
 from moecc.planner import solve as S
 from moecc.planner.costs import ModelCost, model_cost
-from moecc.planner.schedule import Knobs, StepShape, build_schedule
+from moecc.planner.schedule import Knobs, StepShape, build_schedule, to_data
 from moecc.sizes import format_bytes, format_size_at_least
 
 
@@ -92,6 +93,9 @@ class SolveBatchSizes(Pass):
             "bottleneck": {"decode": dec.bottleneck(), "prefill": pre.bottleneck()},
             "lanes_s": {"decode": dec.totals, "prefill": pre.totals},
         }
+        # the two DAGs above, as plain data: what `moecc explain --timeline` draws
+        g.attrs["timeline"] = {"decode": {"B": ch.B, "tokens": ch.B, **to_data(dec)},
+                               "prefill": {"B": seqs, "tokens": tps, **to_data(pre)}}
         tb = S._tables(pr, ch.B)
         g.attrs["solution"] = {
             "status": sol.status,

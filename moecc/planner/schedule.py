@@ -77,7 +77,7 @@ class Job:
     name: str
     lane: str  # "compute" | "copy"
     seconds: float
-    kind: str  # gemm | attention | gather | fetch | kv_load | kv_store | head
+    kind: str  # stem | attention | router | gemm | fetch | kv_load | head
     layer: int | None = None
     start: float = 0.0
 
@@ -229,7 +229,7 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
 
     S, T, c = shape.S, shape.T, shape.context
     M = max(1, math.ceil(S / max(1, knobs.b_a)))
-    prev = add("stem", "compute", OP_OVERHEAD_S * 3, "gemm", [])
+    prev = add("stem", "compute", OP_OVERHEAD_S * 3, "stem", [])
     all_attn: list[str] = []  # attention jobs in order: KV buffers are double-buffered across them
     for lc in cost.layers:
         i = lc.layer
@@ -250,7 +250,7 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
             attn_jobs.append(a)
             all_attn.append(a)
         prev = add(f"L{i}.router", "compute", gemm_seconds(rates, dt, lc.router_flops, T, max(1, T))
-                   + 6 * OP_OVERHEAD_S + elementwise_seconds(rates, dt, lc.ffn_elem_bytes, T), "gemm", attn_jobs, i)
+                   + 6 * OP_OVERHEAD_S + elementwise_seconds(rates, dt, lc.ffn_elem_bytes, T), "router", attn_jobs, i)
         if lc.moe:
             used = experts_in_use(lc, T)
             n_jobs = max(1, int(math.ceil(used - 1e-9)))
@@ -305,3 +305,30 @@ def _critical(g: nx.DiGraph, jobs: dict[str, Job]) -> Schedule:
 def describe(s: Schedule) -> dict[str, Any]:
     return {"seconds": s.seconds, "bottleneck": s.bottleneck(), "lanes": s.totals,
             "critical_jobs": len(s.critical_path)}
+
+
+#: A stored timeline keeps every job up to this many; past it, only the first
+#: TIMELINE_LAYERS layers, the last layer, the stem and the head (a 61-layer, 256-expert
+#: model has some 30 000 jobs per step).
+TIMELINE_MAX_JOBS = 4000
+TIMELINE_LAYERS = 4
+
+
+def to_data(s: Schedule, max_jobs: int = TIMELINE_MAX_JOBS, keep: int = TIMELINE_LAYERS) -> dict[str, Any]:
+    """The schedule as plain data for the plan (what `moecc explain --timeline` draws): the
+    step's predicted seconds; each job in topological order as [name, lane, kind, layer,
+    start, seconds]; its dependency edges as index pairs; the critical path as indices.
+    Over `max_jobs` jobs only the first `keep` layers and the last are kept.
+    Kept jobs keep their start times from the whole step, so the critical path's jobs (all
+    kept when nothing is cut) add up to `step_s`."""
+    layers = sorted({j.layer for j in s.jobs.values() if j.layer is not None})
+    keep_layers = set(layers)
+    if len(s.jobs) > max_jobs and layers:
+        keep_layers = set(layers[:keep]) | {layers[-1]}
+    names = [n for n in nx.topological_sort(s.dag) if s.jobs[n].layer is None or s.jobs[n].layer in keep_layers]
+    index = {n: i for i, n in enumerate(names)}
+    jobs = [[j.name, j.lane, j.kind, j.layer, j.start, j.seconds] for j in (s.jobs[n] for n in names)]
+    edges = [[index[u], index[v]] for u, v in s.dag.edges if u in index and v in index]
+    return {"step_s": s.seconds, "jobs": jobs, "edges": edges,
+            "critical": [index[n] for n in s.critical_path if n in index],
+            "layers": len(layers), "layers_kept": sorted(keep_layers), "lanes_s": dict(s.totals)}

@@ -1,0 +1,69 @@
+"""The measured timeline of one engine step: what the compute thread and the copy engine did,
+job by job, in the same rows the planner's predicted timeline uses
+([name, lane, kind, layer, start_s, seconds], start relative to the step's start), so
+`moecc explain --timeline --measured stats.json` draws them one above the other.
+
+The engine keeps one decode step (the first at the largest batch seen, past the first steps)
+and one prefill step (the first past the warm-up that is at least 90% prompt tokens); see
+`Engine.step`. Recording costs two perf_counter calls per job.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+#: copy-engine job descriptions (streaming.py) -> (kind, layer pattern)
+_COPY_KINDS = (("expert ", "fetch"), ("module ", "fetch"), ("KV of layer ", "kv_load"))
+_LAYER = re.compile(r"(?:layer |\bL|\bl)(\d+)")
+
+
+def copy_kind(what: str) -> str | None:
+    """The timeline kind of a copy-engine job, or None for bookkeeping jobs (drain, cached)."""
+    for prefix, kind in _COPY_KINDS:
+        if what.startswith(prefix):
+            return kind
+    return "fetch" if what.endswith("resident weights") else None
+
+
+def layer_of(text: str) -> int | None:
+    m = _LAYER.search(text)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class StepTrace:
+    """Jobs of one step as they run. Lists append atomically, so the copy engine's thread
+    records into the same trace."""
+
+    phase: str
+    step: int
+    t0: float = field(default_factory=time.perf_counter)
+    jobs: list[list[Any]] = field(default_factory=list)
+
+    def add(self, name: str, lane: str, kind: str, layer: int | None, start: float, end: float) -> None:
+        self.jobs.append([name, lane, kind, layer, start - self.t0, end - start])
+
+    def copy_done(self, what: str, start: float, end: float) -> None:
+        kind = copy_kind(what)
+        if kind is not None and end > self.t0:
+            self.add(what, "copy", kind, layer_of(what), max(start, self.t0), end)
+
+    def experts(self, it: Iterator[Any], layer: int | None, used: list[int]) -> Iterator[Any]:
+        """Wrap an expert-weights iterator: the time between handing out expert e's weights
+        and being asked for the next is expert e's compute."""
+        k = 0
+        for w in it:
+            t = time.perf_counter()
+            yield w
+            self.add(f"L{layer}.expert.{used[k] if k < len(used) else k}", "compute", "gemm", layer, t,
+                     time.perf_counter())
+            k += 1
+
+    def finish(self, seconds: float, sequences: int, tokens: int, prefill_tokens: int) -> dict[str, Any]:
+        jobs = sorted(self.jobs, key=lambda j: (j[4], j[1]))
+        return {"step": self.step, "step_s": seconds, "sequences": sequences, "tokens": tokens,
+                "prefill_tokens": prefill_tokens, "jobs": jobs,
+                "layers": 1 + max((j[3] for j in jobs if j[3] is not None), default=-1)}
