@@ -94,15 +94,16 @@ def predicted_for(plan: dict[str, Any], model: Path, hw: Path) -> dict[str, floa
 
 
 def prefetch_variant(plan: dict[str, Any], budget: int) -> tuple[str, dict[str, Any] | None]:
-    """No prefetch if the planner prefetches; else three expert slots (two ahead), the arena
-    grown to hold them when the budget allows."""
+    """The other side of the planner's overlap choice: no prefetch if it prefetches; else
+    prefetch 1 (two expert slots; the arena grown to hold the second) when the budget
+    allows."""
     lay = plan["arena"]
     if lay["expert_slots"] > 1:
         return "hand: no prefetch (one expert slot)", {"arena": {"expert_slots": 1}}
-    grown = lay["bytes"] + 2 * lay["expert_slot_bytes"]
+    grown = lay["bytes"] + lay["expert_slot_bytes"]
     if grown > budget * 0.9:
-        return "hand: prefetch 2 (does not fit)", None
-    return "hand: prefetch 2 (three expert slots)", {"arena": {"expert_slots": 3, "bytes": grown}}
+        return "hand: prefetch 1 (does not fit)", None
+    return "hand: prefetch 1 (two expert slots)", {"arena": {"expert_slots": 2, "bytes": grown}}
 
 
 def resident_variant(plan: dict[str, Any], budget: int) -> dict[str, Any] | None:
