@@ -268,7 +268,7 @@ def _parse_batch_line(obj: dict, line: int, custom_id: str) -> Request:
     if obj.get("method") != "POST":
         raise RequestFieldError("method", f"expected \"POST\", got {_describe(obj.get('method'))}")
     url = obj.get("url")
-    if url not in BATCH_URLS:
+    if not isinstance(url, str) or url not in BATCH_URLS:
         raise RequestFieldError("url", f"expected one of {', '.join(BATCH_URLS)}, got {_describe(url)}")
     api = BATCH_URLS[url]
     body = obj.get("body")

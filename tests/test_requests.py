@@ -442,6 +442,7 @@ def test_arbitrary_batch_lines_never_crash_and_each_bad_one_is_one_error(chunks:
     ({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}, "method", "POST"),
     ({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}, "url",
      "/v1/chat/completions"),
+    ({"custom_id": "0", "method": "POST", "url": []}, "url", "got array of 0 items"),  # found by hypothesis: unhashable
     ({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}, "custom_id", "missing"),
     ({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": "x"}, "body", "object"),
     ({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"prompt": "x"}}, "body.prompt",
