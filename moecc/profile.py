@@ -211,33 +211,44 @@ def _memory_bandwidth(torch, dev: str, nbytes: int, timer: _Timer) -> float:
     return 2.0 * nbytes / sec
 
 
+def _expert_shapes(hidden: int, inter: int) -> list[tuple[int, int]]:
+    """gate, up [I, H] and down [H, I], as F.linear takes them."""
+    return [(inter, hidden), (inter, hidden), (hidden, inter)]
+
+
+def _mapped_experts(torch, dt, hidden: int, inter: int, pool: int) -> list[tuple]:
+    """`pool` experts (gate, up, down) as views of a memory-mapped temporary file, the way
+    the runtime reads a checkpoint's weights on a CPU (the file is unlinked; the mapping
+    keeps its pages)."""
+    import mmap
+    import tempfile
+
+    n = inter * hidden
+    with tempfile.TemporaryFile(prefix="moecc-profile-") as f:
+        chunk = torch.randn(n).to(dt).view(torch.uint8).numpy().tobytes()
+        for _ in range(3 * pool):
+            f.write(chunk)
+        f.flush()
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    flat = torch.frombuffer(m, dtype=dt)
+    shapes = _expert_shapes(hidden, inter)
+    return [tuple(flat[(3 * j + i) * n:(3 * j + i + 1) * n].view(*shapes[i]) for i in range(3)) for j in range(pool)]
+
+
 def _mlp_curve(torch, dev: str, dt, hidden: int, inter: int, s: _Settings, timer: _Timer) -> list[list[float]]:
     """FLOP/s of the runtime's gated MLP (F.linear gate and up, SiLU, product in place,
     F.linear down) at one model's expert shape. The weights are as the runtime holds them: on
     a CPU, views of a memory-mapped file (4 KiB pages: measured 8% slower than anonymous
     memory at 128 rows), on CUDA device tensors; enough copies (4x the GEMM pool) that they
     stream from memory as a step's experts do."""
-    import mmap
-    import tempfile
-
     from moecc_runtime.kernels import gated_mlp
 
     elem = torch.empty((), dtype=dt).element_size()
-    per = 3 * hidden * inter * elem
-    pool = max(2, min(32, 4 * s.weight_pool_bytes // per))
-    shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
+    pool = max(2, min(32, 4 * s.weight_pool_bytes // (3 * hidden * inter * elem)))
     if dev == "cpu":
-        with tempfile.TemporaryFile(prefix="moecc-profile-") as f:
-            chunk = torch.randn(inter * hidden).to(dt)
-            for _ in range(3 * pool):
-                f.write(chunk.view(torch.uint8).numpy().tobytes())
-            f.flush()
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(m, dtype=dt)
-        n = inter * hidden
-        ws = [tuple(flat[(3 * j + i) * n:(3 * j + i + 1) * n].view(*shapes[i]) for i in range(3)) for j in range(pool)]
+        ws = _mapped_experts(torch, dt, hidden, inter, pool)
     else:
-        ws = [tuple(torch.randn(*sh, device=dev).to(dt) for sh in shapes) for _ in range(pool)]
+        ws = [tuple(torch.randn(*sh, device=dev).to(dt) for sh in _expert_shapes(hidden, inter)) for _ in range(pool)]
     counter = [0]
 
     def one(tokens: float) -> tuple[float, float]:
@@ -331,30 +342,19 @@ def _cpu_copy_overlap(torch, s: _Settings, hidden: int, inter: int, trials: int)
     bandwidth; measured steal there is 1.2-1.8 (a copy costs compute more than its own
     length), where a bare GEMM beside a copy loop showed 0.8-1.1. Clamped to [-2, 1]."""
     import ctypes
-    import mmap
     import statistics
-    import tempfile
 
     from moecc_runtime.copy_engine import CopyEngine
     from moecc_runtime.kernels import gated_mlp
 
-    n = hidden * inter
-    per = 3 * n * 4
+    per = 3 * hidden * inter * 4
     pool = max(3, min(16, 2 * s.weight_pool_bytes // per))
     rows = 64 if s.gemm_dim < 2048 else 128  # tokens per expert in a batched decode step
-    shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
-    with tempfile.TemporaryFile(prefix="moecc-profile-") as f:
-        chunk = torch.randn(n).numpy().tobytes()
-        for _ in range(3 * pool):
-            f.write(chunk)
-        f.flush()
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    flat = torch.frombuffer(m, dtype=torch.float32)
-    ws = [tuple(flat[(3 * j + i) * n:(3 * j + i + 1) * n].view(*shapes[i]) for i in range(3)) for j in range(pool)]
+    ws = _mapped_experts(torch, torch.float32, hidden, inter, pool)
     for w in ws:  # first touch: map the pages (the runtime's first step does this)
         for t in w:
             t.sum()
-    slots = [tuple(torch.empty(*sh) for sh in shapes) for _ in range(2)]
+    slots = [tuple(torch.empty(*sh) for sh in _expert_shapes(hidden, inter)) for _ in range(2)]
     x = torch.randn(rows, hidden)
 
     def fill(slot, w):
