@@ -70,3 +70,22 @@ def test_bigger_micro_batches_mean_fewer_attention_jobs():
     big = build_schedule(cost(), hw, SHAPE, Knobs(b_a=64, b_e=64))
     count = lambda s: sum(1 for j in s.jobs.values() if j.kind == "attention")  # noqa: E731
     assert count(small) == 8 and count(big) == 1
+
+
+def test_copies_that_cost_more_than_their_length_and_prefetch_zero():
+    """copy_overlap < 0 (measured on 2-core VMs: a copy-second costs 1.2-1.8 compute-seconds)
+    charges compute more than the copy's own length; with prefetch 0 an expert's fetch runs
+    while compute waits for it (one slot) and steals nothing, so only KV loads and dense
+    fetches are charged."""
+    hw = resolve_hardware("cpu")
+    hw.copy_overlap = -0.4
+    ahead = build_schedule(cost(), hw, SHAPE, Knobs(16, 64, 1))
+    hw.copy_overlap = 1.0
+    free = build_schedule(cost(), hw, SHAPE, Knobs(16, 64, 1))
+    assert abs((ahead.totals["compute"] - free.totals["compute"]) - 1.4 * ahead.totals["copy"]) < 1e-9
+    hw.copy_overlap = -0.4
+    serial = build_schedule(cost(), hw, SHAPE, Knobs(16, 64, 0))
+    expert_fetch = sum(j.seconds for j in serial.jobs.values() if j.kind == "fetch" and ".fetch.e" in j.name)
+    assert expert_fetch > 0
+    assert abs((serial.totals["compute"] - free.totals["compute"])
+               - 1.4 * (serial.totals["copy"] - expert_fetch)) < 1e-9

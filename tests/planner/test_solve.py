@@ -101,3 +101,14 @@ def test_no_device_budget_reads_weights_in_place():
     sol = S.solve(problem(gpu_mem=None))
     assert sol.choice.resident == frozenset() and sol.status.startswith("optimal")
     assert sol.device_bytes["resident_weights"] == 0
+
+
+def test_copies_that_cannot_hide_get_no_prefetch():
+    """A profile whose copies hide less than NO_OVERLAP behind compute (a small CPU VM)
+    gets prefetch depth 0: one expert slot, each fetch while compute waits."""
+    cpu = dataclasses.replace(resolve_hardware("cpu"), copy_overlap=-0.35)
+    tight = int(S.minimum_device_bytes(problem()) / S.DEVICE_DERATE) + 100_000
+    sol = S.solve(problem(rates=cpu, gpu_mem=tight))
+    assert "L0.experts" not in sol.choice.resident and sol.choice.prefetch == 0
+    gpu = S.solve(problem(gpu_mem=tight))
+    assert "L0.experts" not in gpu.choice.resident and gpu.choice.prefetch >= 1  # a DMA engine: fetch ahead
