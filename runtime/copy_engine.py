@@ -29,10 +29,13 @@ class Ticket:
     """One submitted transfer: `wait()` blocks until it is done (on CUDA: makes the compute
     stream wait for it) and re-raises its failure."""
 
-    def __init__(self, engine: "CopyEngine", what: str, nbytes: int):
+    def __init__(self, engine: "CopyEngine", what: str, nbytes: int, kind: str | None = None,
+                 layer: int | None = None):
         self.engine = engine
         self.what = what
         self.nbytes = nbytes
+        self.kind = kind  # on the step timeline: "fetch" | "kv_load"; None: bookkeeping, not drawn
+        self.layer = layer
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._event: Any = None  # torch.cuda.Event on CUDA
@@ -76,9 +79,11 @@ class CopyEngine:
         self._thread = threading.Thread(target=self._work, name="moecc-copy", daemon=True)
         self._thread.start()
 
-    def submit(self, what: str, nbytes: int, fn: Callable[[], None]) -> Ticket:
-        """Queue `fn` (which copies `nbytes` for `what`); transfers run in submission order."""
-        t = Ticket(self, what, nbytes)
+    def submit(self, what: str, nbytes: int, fn: Callable[[], None], kind: str | None = None,
+               layer: int | None = None) -> Ticket:
+        """Queue `fn` (which copies `nbytes` for `what`); transfers run in submission order.
+        `kind` and `layer` place the transfer on a recorded step timeline."""
+        t = Ticket(self, what, nbytes, kind, layer)
         self._q.put(_Job(t, fn))
         return t
 
@@ -106,7 +111,7 @@ class CopyEngine:
             self.copy_s += t1 - t0
             trace = self.trace
             if trace is not None:
-                trace.copy_done(job.ticket.what, t0, t1)
+                trace.copy_done(job.ticket, t0, t1)
             job.ticket._done.set()
 
     def drain(self) -> None:

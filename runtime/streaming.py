@@ -144,6 +144,7 @@ class StreamedWeights:
         lay = plan["arena"]
         self.store, self.arena, self.engine, self.copier = store, arena, engine, copier
         self.schedule = plan["schedule"]
+        self._op_layer = {op["name"]: m.get("layer") for m in self.schedule for op in m["ops"]}
         resident = set(lay["resident"])
         self.views: dict[str, torch.Tensor] = {}  # resident key -> arena tensor
         self._cur: dict[str, torch.Tensor] = {}  # the running module's streamed weights
@@ -186,7 +187,7 @@ class StreamedWeights:
             off += align(self._nbytes(k))
         if pairs:
             self.engine.submit(f"{len(pairs)} resident weights", total,
-                               lambda: self.copier.copy(pairs, None)).wait()
+                               lambda: self.copier.copy(pairs, None), kind="fetch").wait()
 
     def _nbytes(self, key: str) -> int:
         e = self.store.manifest.get(key)
@@ -206,7 +207,7 @@ class StreamedWeights:
             off += align(self._nbytes(k))
         return views, pairs, off
 
-    def _submit_unit(self, pool: _SlotPool, unit: Any, keys: list[str], what: str):
+    def _submit_unit(self, pool: _SlotPool, unit: Any, keys: list[str], what: str, layer: int | None):
         """Fetch `unit` (its weights `keys`) into a slot of `pool`: (slot, ticket, views). A free
         slot still holding the unit is reused without a copy."""
         slot, held = pool.acquire(unit)
@@ -218,7 +219,7 @@ class StreamedWeights:
             raise
         if held:
             return slot, self.engine.submit("cached", 0, lambda: None), views
-        ticket = self.engine.submit(what, nbytes, lambda: self.copier.copy(pairs, slot))
+        ticket = self.engine.submit(what, nbytes, lambda: self.copier.copy(pairs, slot), kind="fetch", layer=layer)
         return slot, ticket, views
 
     # -- dense weights: two slots, the next streamed module fetched while one computes ----
@@ -244,7 +245,8 @@ class StreamedWeights:
     def _prefetch(self, index: int) -> None:
         keys = self.units[index]
         assert keys is not None
-        self._pending[index] = self._submit_unit(self.dense, index, keys, f"module {self.schedule[index]['module']}")
+        m = self.schedule[index]
+        self._pending[index] = self._submit_unit(self.dense, index, keys, f"module {m['module']}", m.get("layer"))
 
     def get(self, key: str) -> torch.Tensor:
         t = self._cur.get(key)
@@ -267,7 +269,8 @@ class StreamedWeights:
 
         def submit() -> None:
             e = todo.popleft()
-            slot, t, views = self._submit_unit(pool, (op["name"], e), expert_keys(op, e), f"expert {e} of {op['name']}")
+            slot, t, views = self._submit_unit(pool, (op["name"], e), expert_keys(op, e), f"expert {e} of {op['name']}",
+                                               self._op_layer.get(op["name"]))
             inflight.append((slot, t, views, e))
 
         try:
@@ -376,7 +379,7 @@ class KVStaging:
             hk.copy_(sk, non_blocking=True)
             hv.copy_(sv, non_blocking=True)
 
-        buf.ticket = self.engine.submit(f"KV of layer {layer} ({nb} blocks)", nbytes, fill)
+        buf.ticket = self.engine.submit(f"KV of layer {layer} ({nb} blocks)", nbytes, fill, kind="kv_load", layer=layer)
 
     def acquire(self, key: Any, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gathered KV [Hkv, nb, bs, D] x2 for `key` on the compute device."""

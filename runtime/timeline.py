@@ -10,27 +10,9 @@ and one prefill step (the first past the warm-up that is at least 90% prompt tok
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
-
-#: copy-engine job descriptions (streaming.py) -> (kind, layer pattern)
-_COPY_KINDS = (("expert ", "fetch"), ("module ", "fetch"), ("KV of layer ", "kv_load"))
-_LAYER = re.compile(r"(?:layer |\bL|\bl)(\d+)")
-
-
-def copy_kind(what: str) -> str | None:
-    """The timeline kind of a copy-engine job, or None for bookkeeping jobs (drain, cached)."""
-    for prefix, kind in _COPY_KINDS:
-        if what.startswith(prefix):
-            return kind
-    return "fetch" if what.endswith("resident weights") else None
-
-
-def layer_of(text: str) -> int | None:
-    m = _LAYER.search(text)
-    return int(m.group(1)) if m else None
 
 
 @dataclass
@@ -46,10 +28,11 @@ class StepTrace:
     def add(self, name: str, lane: str, kind: str, layer: int | None, start: float, end: float) -> None:
         self.jobs.append([name, lane, kind, layer, start - self.t0, end - start])
 
-    def copy_done(self, what: str, start: float, end: float) -> None:
-        kind = copy_kind(what)
-        if kind is not None and end > self.t0:
-            self.add(what, "copy", kind, layer_of(what), max(start, self.t0), end)
+    def copy_done(self, ticket: Any, start: float, end: float) -> None:
+        """A copy-engine transfer finished (called on the engine's thread); bookkeeping jobs
+        (no kind: drains, cached slots) are not drawn."""
+        if ticket.kind is not None and end > self.t0:
+            self.add(ticket.what, "copy", ticket.kind, ticket.layer, max(start, self.t0), end)
 
     def experts(self, it: Iterator[Any], layer: int | None, used: list[int]) -> Iterator[Any]:
         """Wrap an expert-weights iterator: the time between handing out expert e's weights

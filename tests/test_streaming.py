@@ -43,9 +43,9 @@ class Spy:
         real = streaming.StreamedWeights._submit_unit
         spy = self
 
-        def submit(self_, pool, unit, keys, what):
+        def submit(self_, pool, unit, keys, what, layer):
             spy.units.append((spy.step, unit))
-            return real(self_, pool, unit, keys, what)
+            return real(self_, pool, unit, keys, what, layer)
 
         monkeypatch.setattr(streaming.StreamedWeights, "_submit_unit", submit)
 
