@@ -341,11 +341,11 @@ def _cpu_copy_overlap(torch, s: _Settings, hidden: int, inter: int, trials: int)
     On a 2-core VM the copy thread takes a core from torch's two and contends for memory
     bandwidth; measured steal there is 1.2-1.8 (a copy costs compute more than its own
     length), where a bare GEMM beside a copy loop showed 0.8-1.1. Clamped to [-2, 1]."""
-    import ctypes
     import statistics
 
     from moecc_runtime.copy_engine import CopyEngine
     from moecc_runtime.kernels import gated_mlp
+    from moecc_runtime.streaming import Copier
 
     per = 3 * hidden * inter * 4
     pool = max(3, min(16, 2 * s.weight_pool_bytes // per))
@@ -356,12 +356,10 @@ def _cpu_copy_overlap(torch, s: _Settings, hidden: int, inter: int, trials: int)
             t.sum()
     slots = [tuple(torch.empty(*sh) for sh in _expert_shapes(hidden, inter)) for _ in range(2)]
     x = torch.randn(rows, hidden)
+    copier = Copier(torch.device("cpu"), 0)  # the runtime's CPU transfer: a memmove per tensor
 
     def fill(slot, w):
-        def fn() -> None:
-            for src, dst in zip(w, slot):
-                ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * 4)
-        return fn
+        return lambda: copier.copy(list(zip(w, slot)), None)
 
     def in_place(k: int) -> float:
         t0 = time.perf_counter()
