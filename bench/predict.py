@@ -16,9 +16,13 @@ Steps, all in one run:
      first step left out of both (first touch of the weights), against the planner's model
      evaluated for the plan's own sizes, residency and prefetch (hand-set plans too);
      every plan runs --repeats times, in rounds of alternating order; each round starts
-     with a fresh `moecc profile` and its predictions are evaluated on that profile, so a
-     drift of this shared machine's speed (+-25% within minutes) reaches prediction and
-     measurement alike; the figures are the medians over the rounds;
+     with a fresh `moecc profile` and its predictions are evaluated on that profile; a
+     speed canary (the runtime's expert MLP for 2 s) is taken around the profile and around
+     every run, and a run counts as settled when the canary before and after it is within
+     --canary-tol of its value at profile time (this shared VM's speed jumps by ~25% for
+     tens of seconds at a time: a run in the other state measures the neighbours, not the
+     model); unsettled runs are retried; the figures are the medians over settled runs,
+     and the error is also reported against every run taken;
   4. prints a table (predicted, measured, error) and the mean absolute error, the planner's
      margin over each hand-set plan and the run-to-run spread, and writes JSON.
 The planner's choice should beat every hand-set configuration in measured job tokens/s.
@@ -158,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="rounds over all plans, alternating order")
     ap.add_argument("--quick", action="store_true", help="128 prompts, 32 output tokens, quick profile, 1 round")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--canary-tol", type=float, default=0.05,
+                    help="a run is settled when the canary before and after it is within this share of the "
+                         "canary at profile time")
+    ap.add_argument("--retries", type=int, default=2, help="runs of an unsettled plan taken again per round")
+    ap.add_argument("--settle-s", type=float, default=60.0,
+                    help="seconds to wait for the machine to return to its profiled speed before a run")
     a = ap.parse_args(argv)
     if a.quick:
         a.prompts, a.output_tokens, a.repeats = 128, 32, 1
@@ -221,29 +231,78 @@ def main(argv: list[str] | None = None) -> int:
                      "batch": plan["batch"], "arena": plan.get("arena"),
                      "predicted": predicted_for(plan, model, hw)})
     # rounds in alternating order (forward, backward, ...), each starting with a fresh
-    # `moecc profile`: a drift of this shared machine's speed (measured: +-25% within minutes)
-    # then reaches the predictions too (they are re-evaluated on the round's profile) and hits
-    # every plan about equally; each plan's figures are the medians over its rounds
+    # `moecc profile`: a drift of this shared machine's speed then reaches the predictions too
+    # (they are re-evaluated on the round's profile); each plan's figures are the medians
+    # over its rounds. The canary (profile.SpeedCanary: the runtime's expert MLP, 2 s) is taken
+    # around the profile and around every run: a run is "settled" when the canary before and
+    # after it is within --canary-tol of the canary at profile time, i.e. the run saw the
+    # machine that was profiled (this VM's speed jumps by ~25% for tens of seconds when other
+    # tenants load the host); an unsettled run is retried (--retries), after waiting up to
+    # --settle-s for the machine to come back. Figures are reported for settled runs and for
+    # every run taken.
+    from moecc.profile import SpeedCanary
+
+    canary = SpeedCanary(cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+
+    def near(x: float, ref: float) -> bool:
+        return abs(x / ref - 1) <= a.canary_tol
+
+    def settle(ref: float) -> float:
+        c, waited = canary.seconds(), 0.0
+        while not near(c, ref) and waited < a.settle_s:
+            time.sleep(5.0)
+            waited += 5.0 + 2.0
+            c = canary.seconds()
+        return c
+
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(rows))}
+    taken: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(rows))}
     preds: dict[int, list[dict[str, float]]] = {i: [] for i in range(len(rows))}
+    canaries: list[dict[str, float]] = []
     for rnd in range(a.repeats):
         hw_r = a.work / f"hw-round{rnd + 1}.json"
-        subprocess.run(prof[:5] + [str(hw_r)] + prof[6:], check=True, capture_output=True)
+        for _ in range(3):  # a profile taken while the machine changed speed is taken again
+            c_pre = canary.seconds()
+            subprocess.run(prof[:5] + [str(hw_r)] + prof[6:], check=True, capture_output=True)
+            c_post = canary.seconds()
+            if near(c_pre, c_post):
+                break
+        c0 = (c_pre + c_post) / 2
+        canaries.append({"round": rnd + 1, "before_profile_s": c_pre, "after_profile_s": c_post})
         order = range(len(rows)) if rnd % 2 == 0 else reversed(range(len(rows)))
         for i in order:
             r = rows[i]
-            print(f"round {rnd + 1}/{a.repeats}: running {r['name']} ...", file=sys.stderr)
             preds[i].append(predicted_for(load_plan(r["path"]), model, hw_r))
-            runs[i].append(run_plan(r["path"], prompts_path, a.work, f"{r['path'].stem}-{rnd}"))
+            for attempt in range(1 + a.retries):
+                print(f"round {rnd + 1}/{a.repeats}: running {r['name']} (attempt {attempt + 1}) ...",
+                      file=sys.stderr)
+                cb = settle(c0)
+                m = run_plan(r["path"], prompts_path, a.work, f"{r['path'].stem}-{rnd}")
+                ca = canary.seconds()
+                m["canary"] = {"before": cb / c0, "after": ca / c0}
+                m["settled"] = near(cb, c0) and near(ca, c0)
+                m["round"] = rnd + 1
+                taken[i].append(m)
+                if m["settled"]:
+                    break
+            runs[i].append(next((m for m in taken[i] if m["round"] == rnd + 1 and m["settled"]), taken[i][-1]))
+
+    def medians(ms: list[dict[str, Any]]) -> dict[str, Any]:
+        return {k: median([m[k] for m in ms]) for k in ms[0]
+                if all(isinstance(m[k], (int, float)) and not isinstance(m[k], bool) for m in ms)}
+
     for i, r in enumerate(rows):
-        r["runs"], r["predicted_per_round"] = runs[i], preds[i]
+        settled = [m for m in runs[i] if m["settled"]]
+        r["runs"], r["runs_taken"], r["predicted_per_round"] = runs[i], taken[i], preds[i]
         r["predicted_at_compile"] = r["predicted"]
         r["predicted"] = {k: median([p[k] for p in preds[i]]) for k in preds[i][0]}
-        r["measured"] = {k: median([m[k] for m in runs[i]]) for k in runs[i][0]
-                         if all(isinstance(m[k], (int, float)) and not isinstance(m[k], bool) for m in runs[i])}
-        r["measured"]["peak_device_bytes"] = max(m["peak_device_bytes"] for m in runs[i])
+        r["measured"] = medians(settled or runs[i])
+        r["measured_all_runs"] = medians(taken[i])
+        r["measured"]["peak_device_bytes"] = max(m["peak_device_bytes"] for m in taken[i])
+        r["settled_rounds"] = len(settled)
         r["path"] = str(r["path"])
     errors: list[float] = []
+    errors_all: list[float] = []  # against the medians of every run taken, settled or not
     print(f"\n{'plan':44s} {'B':>5s} {'b_a':>5s} {'b_e':>5s} {'tps':>5s} | {'phase':7s} {'predicted':>9s} "
           f"{'measured':>9s} {'error':>7s}  {'runs (measured)':s}")
     for r in rows:
@@ -254,14 +313,20 @@ def main(argv: list[str] | None = None) -> int:
             err = (pr - me) / me if me else None
             if err is not None and phase != "job":
                 errors.append(abs(err))
+                me_all = r["measured_all_runs"].get(key)
+                if me_all:
+                    errors_all.append(abs(pr - me_all) / me_all)
             r.setdefault("error", {})[phase] = err
-            each = " ".join(f"{m[key]:.0f}" for m in r["runs"] if m.get(key))
+            # every run taken; * marks one the canary says saw a faster or slower machine
+            each = " ".join(f"{m[key]:.0f}{'' if m['settled'] else '*'}" for m in r["runs_taken"] if m.get(key))
             print(f"{r['name'] if phase == 'decode' else '':44s} {d['B'] if phase == 'decode' else '':>5} "
                   f"{(d['b_a'] if phase == 'decode' else p['b_a']) if phase != 'job' else '':>5} "
                   f"{(d['b_e'] if phase == 'decode' else p['b_e']) if phase != 'job' else '':>5} "
                   f"{p['tokens_per_step'] if phase == 'prefill' else '':>5} | {phase:7s} {pr:9.1f} "
                   f"{me if me else float('nan'):9.1f} {err if err is not None else float('nan'):+7.1%}  {each}")
-    mae = mean(errors)
+    mae, mae_all = mean(errors), mean(errors_all)
+    n_taken = sum(len(r["runs_taken"]) for r in rows)
+    n_settled = sum(m["settled"] for r in rows for m in r["runs_taken"])
 
     def norm(r: dict[str, Any]) -> float:  # median job tokens/s over the alternating rounds
         return r["measured"]["job_tokens_per_s"]
@@ -280,13 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     within = all(r["measured"]["peak_device_bytes"] <= r["gpu_mem"] for r in rows if r["gpu_mem"])
     print(f"peak arena bytes within --gpu-mem for every budgeted plan: {within}")
     print(f"\nmean absolute error of predicted prefill and decode tokens/s: {mae:.1%} over {len(errors)} figures "
-          f"(medians over {a.repeats} rounds, each predicted on its own fresh profile)")
+          f"(medians over {a.repeats} rounds of settled runs, each predicted on its own fresh profile); "
+          f"{mae_all:.1%} against every run taken ({n_settled} of {n_taken} runs settled: the canary within "
+          f"{a.canary_tol:.0%} of its value at profile time before and after the run)")
     print(f"run-to-run spread of job tok/s (median over plans): {noise:.1%}; the planner's choice against each "
           f"hand-set one: " + ", ".join(f"{m:+.1%}" for m in margins.values()))
     print(f"fastest measured (median job tok/s): {best['name']}; the planner's choice ({chosen['name']}) "
           f"{'beats' if beats else 'does NOT beat'} every hand-set configuration on its budget")
     out = a.json or a.work / "predict.json"
-    out.write_text(json.dumps({"rows": rows, "mae": mae, "planner_beats_hand_set": beats,
+    out.write_text(json.dumps({"rows": rows, "mae": mae, "mae_all_runs": mae_all, "runs_taken": n_taken,
+                               "runs_settled": n_settled, "canary_tol": a.canary_tol, "canaries": canaries,
+                               "planner_beats_hand_set": beats,
                                "margins_over_hand_set": margins, "run_to_run_spread": noise,
                                "peak_within_budget": within,
                                "best_planner": planner_best["name"], "torch": torch.__version__}, indent=1) + "\n")

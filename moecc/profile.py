@@ -396,6 +396,39 @@ def _cpu_copy_overlap(torch, s: _Settings, hidden: int, inter: int, trials: int)
     return max(-2.0, min(1.0, 1.0 - statistics.median(steals)))
 
 
+class SpeedCanary:
+    """How fast this machine is right now, on the work that dominates a batched MoE step:
+    the runtime's gated MLP at a decode step's rows per expert over memory-mapped experts of
+    one model's shape (the profile's "mlp" curve at one point). A shared VM's speed moves by
+    a quarter within a minute (other tenants on the host); a benchmark compares the canary
+    before and after a measured run with the canary at profile time to know whether the run
+    saw the machine that was profiled. CPU only (a GPU's speed does not wander so)."""
+
+    def __init__(self, hidden: int, inter: int, rows: int = 128, pool_bytes: int = 512 << 20):
+        import torch
+
+        self._torch = torch
+        pool = max(2, min(16, pool_bytes // (3 * hidden * inter * 4)))
+        self._ws = _mapped_experts(torch, torch.float32, hidden, inter, pool)
+        for w in self._ws:  # first touch: map the pages, as a run's first step does
+            for t in w:
+                t.sum()
+        self._x = torch.randn(rows, hidden)
+
+    def seconds(self, duration_s: float = 2.0) -> float:
+        """Median seconds of one expert call over about `duration_s` of calls."""
+        from moecc_runtime.kernels import gated_mlp
+
+        times: list[float] = []
+        end = time.perf_counter() + duration_s
+        with self._torch.inference_mode():
+            while time.perf_counter() < end or len(times) < 5:
+                t = time.perf_counter()
+                gated_mlp(self._x, *self._ws[len(times) % len(self._ws)], "silu")
+                times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

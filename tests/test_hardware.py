@@ -354,3 +354,14 @@ def test_elementwise_glue_is_counted_per_module():
     experts = Node("e", "experts", attrs={"top_k": 2, "num_experts": 8, "intermediate_size": 32})
     assert elementwise_bytes(experts, 4, H) == ELEMENTWISE_PASSES["experts"] * 2 * H * 4
     assert elementwise_bytes(Node("k", "kv_load"), 4, H) == 0
+
+
+def test_speed_canary_times_the_runtime_expert_mlp_and_scales_with_its_shape():
+    """The benchmark's canary: a positive, repeatable time per expert call, longer for a
+    bigger expert (it times real work, not a constant)."""
+    from moecc.profile import SpeedCanary
+
+    small, big = SpeedCanary(64, 128, rows=16, pool_bytes=1 << 20), SpeedCanary(256, 1024, rows=16, pool_bytes=1 << 22)
+    s, b = small.seconds(0.05), big.seconds(0.05)
+    assert 0 < s < b < 1.0
+    assert 0 < small.seconds(0.02) < b
