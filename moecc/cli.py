@@ -183,8 +183,9 @@ def explain_cmd(
                                          "(only needed with --prompts)."),
     timeline: Optional[Path] = typer.Option(None, "--timeline", help="Draw the predicted schedule of one decode "
                                             "and one prefill step (compute and copy lanes, critical path) as SVG."),
-    measured: Optional[Path] = typer.Option(None, "--measured", help="With --timeline: a `moecc exec --stats` file "
-                                            "whose measured timeline is drawn below the predicted one."),
+    measured: Optional[Path] = typer.Option(None, "--measured", help="A `moecc exec --stats` file: its measured "
+                                            "step timelines against the predicted ones, seconds per job kind (and "
+                                            "with --timeline drawn below the predicted ones)."),
     layers: int = typer.Option(2, "--layers", help="Layers the timeline shows (0: all, with the head)."),
 ) -> None:
     """Predicted prefill and decode tokens/s, their bottlenecks, memory use and the ETA of a job."""
@@ -194,13 +195,11 @@ def explain_cmd(
     from moecc.timeline_svg import TimelineError
     from moecc_runtime.plan import PlanError, load_plan
 
-    if measured is not None and timeline is None:
-        _fail("--measured needs --timeline OUT.svg (where to draw predicted and measured)")
     if layers < 0:
         _fail(f"--layers must be 0 (all) or more, got {layers}")
     try:
         p = load_plan(plan)
-        rep = explain(p, prompts, model)
+        rep = explain(p, prompts, model, measured=measured)
         if timeline is not None:
             write_timeline(p, timeline, measured, layers or None)
     except (PlanError, OSError, RuntimeError, TimelineError) as e:

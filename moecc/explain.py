@@ -13,8 +13,9 @@ from moecc.sizes import format_bytes
 
 
 def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path | None = None,
-            default_max_tokens: int = 256) -> dict[str, Any]:
-    """The explain report as plain data (what `--json` prints)."""
+            default_max_tokens: int = 256, measured: Path | None = None) -> dict[str, Any]:
+    """The explain report as plain data (what `--json` prints); with `measured` (a `moecc
+    exec --stats` file) also the predicted-against-measured comparison per job kind."""
     pred = plan.get("predicted", {})
     batch = plan["batch"]
     mem = plan.get("memory", {})
@@ -36,6 +37,8 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
     }
     if prompts is not None:
         out["eta"] = _eta(plan, prompts, model_dir, default_max_tokens, out)
+    if measured is not None:
+        out["measured"] = compare_timelines(plan.get("timeline") or {}, measured_timeline(measured))
     return out
 
 
@@ -94,6 +97,8 @@ def format_explain(rep: dict[str, Any]) -> str:
     if eta:
         lines.append(f"  ETA for {eta['requests']} requests ({eta['prompt_tokens']} prompt tokens, up to "
                      f"{eta['max_output_tokens']} output tokens): {_hms(eta['seconds'])} ({eta['note']})")
+    if rep.get("measured"):
+        lines.append(format_comparison(rep["measured"]))
     return "\n".join(lines)
 
 
@@ -102,23 +107,75 @@ def _hms(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
 
 
+def measured_timeline(measured: Path) -> dict[str, Any]:
+    """The `engine.timeline` of a `moecc exec --stats` file: {phase: step}. Raises
+    TimelineError naming the file and the missing field."""
+    import json
+
+    from moecc.timeline_svg import TimelineError
+
+    try:
+        stats = json.loads(Path(measured).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TimelineError(f"--measured {measured}: not a readable stats JSON file ({e})") from e
+    meas = (stats.get("engine") or {}).get("timeline") if isinstance(stats, dict) else None
+    if not meas:
+        raise TimelineError(f"--measured {measured}: no field engine.timeline; write it with `moecc exec "
+                            f"--stats` of this moecc on a job with a full decode or prefill step")
+    return meas
+
+
+def compare_timelines(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """Predicted against measured seconds per (lane, job kind) of each phase's step: where the
+    model is off, op by op. Only the layers the plan's timeline kept are summed on both
+    sides (a deep model's stored timeline keeps a few; the stem and head count always).
+    "compute/idle" is the step's time with the compute thread waiting (only when every layer
+    is compared). Returns {phase: {"predicted_step_s", "measured_step_s", "measured_tokens",
+    "measured_prefill_tokens", "layers_compared", "kinds": {"lane/kind": {"predicted_s",
+    "measured_s"}}}}; phases missing on either side are left out."""
+    out: dict[str, Any] = {}
+    for phase in ("decode", "prefill"):
+        pt, mt = predicted.get(phase), measured.get(phase)
+        if not pt or not mt:
+            continue
+        kept = set(pt.get("layers_kept") or [])
+        kinds: dict[str, dict[str, float]] = {}
+        for side, t in (("predicted_s", pt), ("measured_s", mt)):
+            for name, lane, kind, layer, _start, sec in (j[:6] for j in t["jobs"]):
+                if layer is not None and kept and layer not in kept:
+                    continue
+                k = kinds.setdefault(f"{lane}/{kind}", {"predicted_s": 0.0, "measured_s": 0.0})
+                k[side] += float(sec)
+        if not kept or len(kept) == pt.get("layers"):  # whole steps: the compute thread's waits too
+            for side, t in (("predicted_s", pt), ("measured_s", mt)):
+                busy = sum(float(j[5]) for j in t["jobs"] if j[1] == "compute")
+                kinds.setdefault("compute/idle", {"predicted_s": 0.0, "measured_s": 0.0})[side] = \
+                    max(0.0, float(t["step_s"]) - busy)
+        out[phase] = {"predicted_step_s": pt["step_s"], "measured_step_s": mt["step_s"],
+                      "measured_tokens": mt.get("tokens"), "measured_prefill_tokens": mt.get("prefill_tokens"),
+                      "layers_compared": len(kept) if kept else None, "kinds": dict(sorted(kinds.items()))}
+    return out
+
+
+def format_comparison(cmp: dict[str, Any]) -> str:
+    """The comparison as a table per phase: seconds predicted, measured, and their ratio."""
+    lines = ["  predicted against measured (seconds per step, by job kind):"]
+    for phase, c in cmp.items():
+        layers = f", {c['layers_compared']} layers compared" if c.get("layers_compared") else ""
+        lines.append(f"    {phase}: step {c['predicted_step_s']:.4f} predicted, {c['measured_step_s']:.4f} measured "
+                     f"({c['measured_tokens']} tokens, {c['measured_prefill_tokens']} of them prompt{layers})")
+        for kind, v in c["kinds"].items():
+            ratio = f"{v['measured_s'] / v['predicted_s']:6.2f}x" if v["predicted_s"] > 0 else "      -"
+            lines.append(f"      {kind:18s} {v['predicted_s']:9.4f} {v['measured_s']:9.4f} {ratio}")
+    return "\n".join(lines)
+
+
 def write_timeline(plan: dict[str, Any], out: Path, measured: Path | None = None, layers: int | None = 2) -> Path:
     """Draw the plan's predicted decode and prefill steps (and, from a `moecc exec --stats`
     file, the measured ones) to `out` as SVG (moecc/timeline_svg.py)."""
-    import json
+    from moecc.timeline_svg import draw_timeline
 
-    from moecc.timeline_svg import TimelineError, draw_timeline
-
-    meas = None
-    if measured is not None:
-        try:
-            stats = json.loads(Path(measured).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TimelineError(f"--measured {measured}: not a readable stats JSON file ({e})") from e
-        meas = (stats.get("engine") or {}).get("timeline") if isinstance(stats, dict) else None
-        if not meas:
-            raise TimelineError(f"--measured {measured}: no field engine.timeline; write it with `moecc exec "
-                                f"--stats` of this moecc on a job with a full decode or prefill step")
+    meas = measured_timeline(measured) if measured is not None else None
     name = f"{plan['model']['architecture']} on {plan.get('predicted', {}).get('hardware') or 'unknown hardware'}"
     out = Path(out)
     out.write_text(draw_timeline(plan.get("timeline") or {}, meas, layers, title=name), encoding="utf-8")

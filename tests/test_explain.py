@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from moecc.cli import app
@@ -79,3 +81,23 @@ def test_compile_takes_the_workload_shape_from_a_prompts_file(checkpoints, tmp_p
 
     wl = load_plan(out)["batch"]["workload"]
     assert (wl["prompt_tokens"], wl["output_tokens"]) == (6, 20)
+
+
+def test_compare_timelines_sums_only_the_layers_a_cut_timeline_kept():
+    """A deep model's stored timeline keeps a few layers: the measured jobs of the other
+    layers are left out, the stem and head always count, and no idle row is made up."""
+    from moecc.explain import compare_timelines
+
+    pred = {"decode": {"step_s": 1.0, "layers": 3, "layers_kept": [0, 2],
+                       "jobs": [["stem", "compute", "stem", None, 0, 0.01], ["L0.e", "compute", "gemm", 0, 0, 0.2],
+                                ["L2.e", "compute", "gemm", 2, 0, 0.2], ["head", "compute", "head", None, 0, 0.05]]}}
+    meas = {"decode": {"step_s": 1.5, "tokens": 8, "prefill_tokens": 0,
+                       "jobs": [["stem", "compute", "stem", None, 0, 0.02], ["L0.e", "compute", "gemm", 0, 0, 0.3],
+                                ["L1.e", "compute", "gemm", 1, 0, 0.3], ["L2.e", "compute", "gemm", 2, 0, 0.3],
+                                ["L2.f", "copy", "fetch", 2, 0, 0.1], ["head", "compute", "head", None, 0, 0.06]]}}
+    c = compare_timelines(pred, meas)["decode"]
+    assert c["kinds"]["compute/gemm"] == {"predicted_s": pytest.approx(0.4), "measured_s": pytest.approx(0.6)}
+    assert c["kinds"]["copy/fetch"] == {"predicted_s": 0.0, "measured_s": pytest.approx(0.1)}
+    assert c["kinds"]["compute/head"]["measured_s"] == pytest.approx(0.06)
+    assert "compute/idle" not in c["kinds"] and c["layers_compared"] == 2
+    assert compare_timelines(pred, {}) == {}

@@ -157,12 +157,31 @@ def test_measured_timeline_from_exec_stats_drawn_under_the_predicted(checkpoints
     assert text.count("predicted") >= 2 and text.count("measured") >= 2
     measured_bars = [r for r in root.iter(f"{SVG}rect") if r.get("data-name")]
     assert len(measured_bars) == sum(len(plan["timeline"][p]["jobs"]) + len(tl[p]["jobs"]) for p in tl)
+    # without --timeline: predicted against measured seconds per job kind, in the report
+    r = CliRunner().invoke(app, ["explain", str(path), "--measured", str(stats), "--json"])
+    assert r.exit_code == 0, r.output
+    cmp = json.loads(r.output)["measured"]
+    assert set(cmp) == {"decode", "prefill"}
+    for phase, c in cmp.items():
+        assert c["predicted_step_s"] == plan["timeline"][phase]["step_s"]
+        assert c["measured_step_s"] == tl[phase]["step_s"]
+        for kind in ("compute/gemm", "compute/attention", "compute/head", "copy/fetch"):
+            assert c["kinds"][kind]["predicted_s"] > 0 and c["kinds"][kind]["measured_s"] > 0, (phase, kind)
+        for lane in ("compute", "copy"):  # every job of both timelines is counted once
+            for side, t in (("predicted_s", plan["timeline"][phase]), ("measured_s", tl[phase])):
+                total = sum(v[side] for k, v in c["kinds"].items() if k.startswith(lane) and k != "compute/idle")
+                assert total == pytest.approx(sum(j[5] for j in t["jobs"] if j[1] == lane))
+        idle = c["kinds"]["compute/idle"]["measured_s"]
+        assert idle == pytest.approx(tl[phase]["step_s"] - sum(j[5] for j in tl[phase]["jobs"] if j[1] == "compute"),
+                                     abs=1e-9)
+    r = CliRunner().invoke(app, ["explain", str(path), "--measured", str(stats)])
+    assert r.exit_code == 0 and "predicted against measured" in r.output and "compute/gemm" in r.output
 
 
 def test_timeline_errors_name_what_is_wrong(checkpoints, tmp_path):
     _, plan, path = _budget_plan(checkpoints, tmp_path)
     r = CliRunner().invoke(app, ["explain", str(path), "--measured", str(tmp_path / "s.json")])
-    assert r.exit_code == 1 and "--measured needs --timeline" in r.output
+    assert r.exit_code == 1 and "s.json" in r.output and "not a readable stats JSON" in r.output
     stale = tmp_path / "old.json"
     stale.write_text(json.dumps({"engine": {"steps": 3}}))
     r = CliRunner().invoke(app, ["explain", str(path), "--timeline", str(tmp_path / "t.svg"), "--measured",
