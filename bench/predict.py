@@ -257,10 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         return abs(x / ref - 1) <= a.canary_tol
 
     def settle(ref: float) -> float:
-        c, waited = canary.seconds(), 0.0
-        while not near(c, ref) and waited < a.settle_s:
+        start, c = time.perf_counter(), canary.seconds()
+        while not near(c, ref) and time.perf_counter() - start < a.settle_s:
             time.sleep(5.0)
-            waited += 5.0 + 2.0
             c = canary.seconds()
         return c
 

@@ -191,7 +191,7 @@ def explain_cmd(
     """Predicted prefill and decode tokens/s, their bottlenecks, memory use and the ETA of a job."""
     import json
 
-    from moecc.explain import explain, format_explain, write_timeline
+    from moecc.explain import explain, format_explain, measured_timeline, write_timeline
     from moecc.timeline_svg import TimelineError
     from moecc_runtime.plan import PlanError, load_plan
 
@@ -199,9 +199,10 @@ def explain_cmd(
         _fail(f"--layers must be 0 (all) or more, got {layers}")
     try:
         p = load_plan(plan)
-        rep = explain(p, prompts, model, measured=measured)
+        meas = measured_timeline(measured) if measured is not None else None  # read once, used twice
+        rep = explain(p, prompts, model, measured=meas)
         if timeline is not None:
-            write_timeline(p, timeline, measured, layers or None)
+            write_timeline(p, timeline, meas, layers or None)
     except (PlanError, OSError, RuntimeError, TimelineError) as e:
         _fail(str(e))
     typer.echo(json.dumps(rep, indent=1) if json_out else format_explain(rep))

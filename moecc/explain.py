@@ -13,9 +13,10 @@ from moecc.sizes import format_bytes
 
 
 def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path | None = None,
-            default_max_tokens: int = 256, measured: Path | None = None) -> dict[str, Any]:
-    """The explain report as plain data (what `--json` prints); with `measured` (a `moecc
-    exec --stats` file) also the predicted-against-measured comparison per job kind."""
+            default_max_tokens: int = 256, measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The explain report as plain data (what `--json` prints); with `measured` (the timeline
+    of a `moecc exec --stats` file, see measured_timeline) also the predicted-against-measured
+    comparison per job kind."""
     pred = plan.get("predicted", {})
     batch = plan["batch"]
     mem = plan.get("memory", {})
@@ -38,7 +39,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
     if prompts is not None:
         out["eta"] = _eta(plan, prompts, model_dir, default_max_tokens, out)
     if measured is not None:
-        out["measured"] = compare_timelines(plan.get("timeline") or {}, measured_timeline(measured))
+        out["measured"] = compare_timelines(plan.get("timeline") or {}, measured)
     return out
 
 
@@ -141,7 +142,7 @@ def compare_timelines(predicted: dict[str, Any], measured: dict[str, Any]) -> di
         kept = set(pt.get("layers_kept") or [])
         kinds: dict[str, dict[str, float]] = {}
         for side, t in (("predicted_s", pt), ("measured_s", mt)):
-            for name, lane, kind, layer, _start, sec in (j[:6] for j in t["jobs"]):
+            for _name, lane, kind, layer, _start, sec in (j[:6] for j in t["jobs"]):
                 if layer is not None and kept and layer not in kept:
                     continue
                 k = kinds.setdefault(f"{lane}/{kind}", {"predicted_s": 0.0, "measured_s": 0.0})
@@ -170,13 +171,13 @@ def format_comparison(cmp: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_timeline(plan: dict[str, Any], out: Path, measured: Path | None = None, layers: int | None = 2) -> Path:
-    """Draw the plan's predicted decode and prefill steps (and, from a `moecc exec --stats`
-    file, the measured ones) to `out` as SVG (moecc/timeline_svg.py)."""
+def write_timeline(plan: dict[str, Any], out: Path, measured: dict[str, Any] | None = None,
+                   layers: int | None = 2) -> Path:
+    """Draw the plan's predicted decode and prefill steps (and the measured ones, the timeline
+    of a `moecc exec --stats` file) to `out` as SVG (moecc/timeline_svg.py)."""
     from moecc.timeline_svg import draw_timeline
 
-    meas = measured_timeline(measured) if measured is not None else None
     name = f"{plan['model']['architecture']} on {plan.get('predicted', {}).get('hardware') or 'unknown hardware'}"
     out = Path(out)
-    out.write_text(draw_timeline(plan.get("timeline") or {}, meas, layers, title=name), encoding="utf-8")
+    out.write_text(draw_timeline(plan.get("timeline") or {}, measured, layers, title=name), encoding="utf-8")
     return out
