@@ -218,9 +218,15 @@ def profile_cmd(
                                     "(float32, bfloat16, float16; repeatable; default float32)."),
     quick: bool = typer.Option(False, "--quick", help="Fewer, smaller measurements (seconds, not a minute)."),
     model: list[Path] = typer.Option([], "--model", help="Also measure this checkpoint's expert MLP shape "
-                                     "(config.json's hidden and expert intermediate sizes; repeatable)."),
+                                     "(config.json's hidden and expert intermediate sizes; repeatable), and "
+                                     "calibrate the planner on a short job of the first one."),
+    calibrate: bool = typer.Option(True, "--calibrate/--no-calibrate", help="With --model: run a short job of "
+                                   "the model with weights resident and streamed, and fit the planner's "
+                                   "per-job-kind factors to what the runtime measured (about a minute)."),
 ) -> None:
     """Measure this machine (GEMM, attention and copy rates) and write a hardware profile."""
+    import dataclasses
+
     from moecc.errors import MoeccError
     from moecc.profile import busy_warning, measure, summarize
 
@@ -230,6 +236,13 @@ def profile_cmd(
     try:
         prof = measure(device=device, dtypes=tuple(dtype) or ("float32",), quick=quick,
                        mlp_shapes=[_mlp_shape(m) for m in model])
+        if model and calibrate:
+            from moecc.calibrate import QUICK, Workload
+            from moecc.calibrate import calibrate as run_calibration
+
+            cal = run_calibration(model[0], prof, workload=QUICK if quick else Workload(), device=prof.device_kind,
+                                  log=lambda m: typer.echo(m, err=True))
+            prof = dataclasses.replace(prof, calibration=cal)
         prof.save(output)
     except MoeccError as e:
         _fail(str(e))

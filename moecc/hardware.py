@@ -40,6 +40,10 @@ DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
 CURVE_KINDS: tuple[str, ...] = ("gemm", "attention", "cpu_attention", "copy", "mlp", "elementwise")
 _MLP_KEY = re.compile(r"^(float32|bfloat16|float16):(\d+)x(\d+)$")
 COPY_DIRECTIONS: tuple[str, ...] = ("h2d", "d2h")
+#: calibration (see HardwareProfile.calibrated): execution modes and the job kinds corrected
+CALIBRATION_MODES: tuple[str, ...] = ("resident", "streamed")
+CALIBRATION_KINDS: tuple[str, ...] = ("attention", "gemm", "router", "head", "fetch", "kv_load")
+CALIBRATION_FACTOR_RANGE = (0.05, 50.0)
 
 # Fraction of memory bandwidth that the runtime's elementwise glue (norms, residual adds,
 # rope, gathers) achieves when no curve was measured (short ops, each its own pass).
@@ -116,6 +120,11 @@ class HardwareProfile:
     # (`moecc profile` measures it on the runtime's streamed expert loop); from -2 to 1,
     # below 0 when a second of copying costs compute more than a second
     copy_overlap: float = 1.0
+    # measured on the runtime itself (`moecc profile --model DIR` runs a short job of the model,
+    # moecc/calibrate.py): {"model": name, "resident"|"streamed": {"factor": {kind: x},
+    # "job_s": {kind: seconds per job}, "overhead_layer_s": s, "overhead_row_s": s}};
+    # empty: nothing corrected
+    calibration: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _validate(self.to_json(), origin=None)
@@ -184,6 +193,22 @@ class HardwareProfile:
             return interpolate_log2(curve, max(1.0, float(nbytes)))
         return self.h2d_bandwidth if direction == "h2d" else self.d2h_bandwidth
 
+    def calibrated(self, mode: str, kind: str, seconds: float, jobs: float = 1.0) -> float:
+        """`jobs` runtime jobs of `kind` (CALIBRATION_KINDS) that the model puts at `seconds`
+        in all, when weights are `mode` ("resident": read in place; "streamed": through the
+        device arena): factor x seconds + jobs x seconds per job, as measured on the runtime;
+        `seconds` when not calibrated."""
+        cal = self.calibration.get(mode, {})
+        return (float(cal.get("factor", {}).get(kind, 1.0)) * seconds
+                + float(cal.get("job_s", {}).get(kind, 0.0)) * jobs)
+
+    def overhead_s(self, mode: str, rows: float) -> float:
+        """Seconds per layer of a step over `rows` rows that no modelled job accounts for
+        (the runtime's Python between jobs, embedding, waits the schedule does not see):
+        a fixed part plus a part per row; 0 when not calibrated."""
+        cal = self.calibration.get(mode, {})
+        return float(cal.get("overhead_layer_s", 0.0)) + float(cal.get("overhead_row_s", 0.0)) * rows
+
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_json(self) -> dict:
@@ -205,6 +230,7 @@ class HardwareProfile:
         for key in ("device_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "host_bandwidth"):
             kwargs[key] = float(d[key])
         kwargs["copy_overlap"] = float(d.get("copy_overlap", 1.0))
+        kwargs["calibration"] = copy.deepcopy(d.get("calibration", {}))
         kwargs["curves"] = {kind: {k: [[float(x), float(y)] for x, y in pts] for k, pts in per.items()}
                             for kind, per in d.get("curves", {}).items()}
         return cls(**kwargs)
@@ -287,7 +313,7 @@ def _validate(d: Any, *, origin: str | None) -> None:
         if key not in known:
             raise bad(key, f"is not a hardware profile field (known: {', '.join(sorted(known))})")
     for f in fields(HardwareProfile):
-        if f.name not in d and f.name not in ("curves", "copy_overlap"):
+        if f.name not in d and f.name not in ("curves", "copy_overlap", "calibration"):
             raise bad(f.name, "is missing")
     ov = d.get("copy_overlap", 1.0)
     if isinstance(ov, bool) or not isinstance(ov, (int, float)) or not -2.0 <= ov <= 1.0:
@@ -318,6 +344,46 @@ def _validate(d: Any, *, origin: str | None) -> None:
             elif k not in keys:
                 raise bad(f"curves.{kind}.{k}", f"is not one of {', '.join(keys)}")
             curve(f"curves.{kind}.{k}", pts)
+    _validate_calibration(d.get("calibration", {}), bad)
+
+
+def _validate_calibration(cal: Any, bad: Any) -> None:
+    """Calibration: {"model": text, mode: {"factor": {kind: a number in
+    CALIBRATION_FACTOR_RANGE}, "job_s": {kind: seconds >= 0}, "overhead_layer_s": seconds
+    >= 0, "overhead_row_s": seconds >= 0}}; every part optional."""
+    if not isinstance(cal, dict):
+        raise bad("calibration", f"must be an object, got {type(cal).__name__}")
+    lo, hi = CALIBRATION_FACTOR_RANGE
+
+    def seconds(path: str, v: Any) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise bad(path, f"must be a finite number of seconds >= 0, got {v!r}")
+
+    for mode, fit in cal.items():
+        if mode == "model":
+            if not isinstance(fit, str):
+                raise bad("calibration.model", f"must be a string, got {fit!r}")
+            continue
+        if mode not in CALIBRATION_MODES:
+            raise bad(f"calibration.{mode}", f"is not a mode (use model, {', '.join(CALIBRATION_MODES)})")
+        if not isinstance(fit, dict):
+            raise bad(f"calibration.{mode}", f"must be an object, got {type(fit).__name__}")
+        for key, v in fit.items():
+            where = f"calibration.{mode}.{key}"
+            if key in ("overhead_layer_s", "overhead_row_s"):
+                seconds(where, v)
+            elif key in ("factor", "job_s"):
+                if not isinstance(v, dict):
+                    raise bad(where, f"must be an object mapping job kinds to numbers, got {type(v).__name__}")
+                for kind, x in v.items():
+                    if kind not in CALIBRATION_KINDS:
+                        raise bad(f"{where}.{kind}", f"is not a job kind (use {', '.join(CALIBRATION_KINDS)})")
+                    if key == "job_s":
+                        seconds(f"{where}.{kind}", x)
+                    elif isinstance(x, bool) or not isinstance(x, (int, float)) or not lo <= x <= hi:
+                        raise bad(f"{where}.{kind}", f"must be a factor from {lo} to {hi}, got {x!r}")
+            else:
+                raise bad(where, "is not a calibration field (use factor, job_s, overhead_layer_s, overhead_row_s)")
 
 
 # ---------------------------------------------------------------------------------- presets

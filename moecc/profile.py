@@ -604,4 +604,13 @@ def summarize(p: HardwareProfile) -> list[str]:
                  f"({max(p.copy_overlap, 0):.0%} of copy time can hide behind compute; a copy-second costs compute "
                  f"{1 - p.copy_overlap:.2f} s); "
                  f"memory: device {_si(p.device_bandwidth, 'B/s')}, host {_si(p.host_bandwidth, 'B/s')}")
+    if p.calibration:
+        lines.append(f"  calibrated on {p.calibration.get('model', 'a model')}: job kind x factor + seconds per job; "
+                     f"overhead per layer")
+    for mode in ("resident", "streamed"):
+        cal = p.calibration.get(mode)
+        if cal:
+            kinds = ", ".join(f"{k} {f:.2f}x+{cal['job_s'].get(k, 0.0) * 1e6:.0f}µs" for k, f in cal["factor"].items())
+            lines.append(f"    {mode}: {kinds}; overhead {cal.get('overhead_layer_s', 0.0) * 1e3:.2f} ms "
+                         f"+ {cal.get('overhead_row_s', 0.0) * 1e6:.2f} µs per row")
     return lines

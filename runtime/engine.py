@@ -214,6 +214,7 @@ class Engine:
                 out = self._run_module(module, env, b, None)
                 if kind == "head":
                     logits = out
+        context = sum(s.cached + n / 2 for s, n in work) / max(1, len(work))  # mean positions a row attends
         for s, n in work:
             s.cached += n
         assert logits is not None, "plan has no head module"
@@ -222,7 +223,8 @@ class Engine:
         seconds = time.perf_counter() - t0
         if trace is not None:
             self._trace = None
-            self.stats.timeline[phase] = trace.finish(seconds, len(b.work), b.T, b.prefill_tokens)
+            self.stats.timeline[phase] = trace.finish(seconds, len(b.work), b.T, b.prefill_tokens, context,
+                                                      len(b.finishing))
         self._account(b, seconds, self.stats.experts_run - experts_before, copy0)
         return b.finishing, logits.float()
 

@@ -45,8 +45,11 @@ class StepTrace:
                      time.perf_counter())
             k += 1
 
-    def finish(self, seconds: float, sequences: int, tokens: int, prefill_tokens: int) -> dict[str, Any]:
+    def finish(self, seconds: float, sequences: int, tokens: int, prefill_tokens: int, context: float = 0.0,
+               head_rows: int = 0) -> dict[str, Any]:
+        """The step as plain data: its shape (sequences, rows, prompt rows, the mean context a
+        sequence's rows attend to, rows reaching the head) and its jobs in start order."""
         jobs = sorted(self.jobs, key=lambda j: (j[4], j[1]))
         return {"step": self.step, "step_s": seconds, "sequences": sequences, "tokens": tokens,
-                "prefill_tokens": prefill_tokens, "jobs": jobs,
+                "prefill_tokens": prefill_tokens, "context": context, "head_rows": head_rows, "jobs": jobs,
                 "layers": 1 + max((j[3] for j in jobs if j[3] is not None), default=-1)}

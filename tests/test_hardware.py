@@ -319,7 +319,8 @@ def test_profile_model_option_measures_its_expert_shape(tmp_path):
     (model / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 256,
                                                    "moe_intermediate_size": 96, "torch_dtype": "float32"}))
     out = tmp_path / "hw.json"
-    result = CliRunner().invoke(app, ["profile", "--quick", "--device", "cpu", "--model", str(model), "-o", str(out)])
+    result = CliRunner().invoke(app, ["profile", "--quick", "--device", "cpu", "--model", str(model), "--no-calibrate",
+                                      "-o", str(out)])
     assert result.exit_code == 0, result.output
     p = resolve_hardware(str(out))
     pts = p.curves["mlp"]["float32:64x96"]

@@ -10,6 +10,12 @@ Edges: data dependencies, program order on each lane (one compute lane, one copy
 and slot reuse: with prefetch depth p, the fetch of expert i waits for the compute of
 expert i - p - 1 (p = 0: no overlap of fetch and compute).
 The predicted step time is the longest path; the same networkx DAG is what timelines draw.
+
+Calibration: a profile measured on the runtime (`moecc profile --model`, moecc/calibrate.py)
+gives each job kind of an execution mode ("resident" or "streamed") an affine correction,
+factor x modelled seconds + fixed seconds per job, and adds the overhead no job accounts for
+(fixed plus per row) to each layer's router job; an uncalibrated profile (or any Rates
+without `calibrated`) changes nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +50,23 @@ class Rates(Protocol):
     def elementwise_rate(self, dtype: str, nbytes: float) -> float: ...
 
 
+def calibrated(rates: Rates, mode: str, kind: str, seconds: float, jobs: float = 1.0) -> float:
+    """`jobs` jobs of `kind` modelled at `seconds` in all, as the profile's calibration
+    corrects them (unchanged when it has none)."""
+    f = getattr(rates, "calibrated", None)
+    return f(mode, kind, seconds, jobs) if f is not None else seconds
+
+
+def overhead_s(rates: Rates, mode: str, rows: float) -> float:
+    """The profile's unaccounted seconds per layer of a step over `rows` rows (0 when it has none)."""
+    f = getattr(rates, "overhead_s", None)
+    return f(mode, rows) if f is not None else 0.0
+
+
+def mode_of(streams: bool) -> str:
+    return "streamed" if streams else "resident"
+
+
 @dataclass(frozen=True)
 class StepShape:
     """The work of one step: S sequences, T rows (tokens), mean context c per sequence,
@@ -53,6 +76,11 @@ class StepShape:
     T: int
     context: float
     head_rows: int
+
+    @property
+    def phase(self) -> str:
+        """Prefill when sequences run more than one row each."""
+        return "prefill" if self.T > self.S else "decode"
 
 
 @dataclass(frozen=True)
@@ -175,25 +203,34 @@ def attn_micro_seconds(lc: LayerCost, rates: Rates, dtype: str, s_m: float, t_m:
 
 def attn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, shape: StepShape, b_a: int,
                        gather: bool = True) -> float:
+    """A layer's attention micro-batches (calibrated; without the copies they steal from)."""
     M = max(1, math.ceil(shape.S / max(1, b_a)))
-    return M * attn_micro_seconds(lc, rates, dtype, shape.S / M, shape.T / M, shape.context, gather)
+    return calibrated(rates, mode_of(not gather), "attention",
+                      M * attn_micro_seconds(lc, rates, dtype, shape.S / M, shape.T / M, shape.context, gather), M)
 
 
-def ffn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, b_e: int) -> float:
-    """Router plus every expert in use over its tokens in chunks of b_e (or the dense MLP)."""
+def router_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, mode: str = "resident") -> float:
+    """The router over T rows with the MoE/MLP module's glue (calibrated), plus the
+    calibrated overhead of a layer that no job accounts for."""
     t = (gemm_seconds(rates, dtype, lc.router_flops, T, max(1, int(T))) + 6 * OP_OVERHEAD_S
          + elementwise_seconds(rates, dtype, lc.ffn_elem_bytes, T))
+    return calibrated(rates, mode, "router", t) + overhead_s(rates, mode, T)
+
+
+def ffn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, b_e: int, mode: str = "resident") -> float:
+    """Router plus every expert in use over its tokens in chunks of b_e (or the dense MLP)."""
+    t = router_seconds(lc, rates, dtype, T, mode)
     if lc.moe:
         used = experts_in_use(lc, T)
         per_expert = T * lc.top_k / max(used, 1e-9)
-        return t + used * (expert_seconds(rates, dtype, lc.expert_flops, per_expert, b_e, mlp_shape(lc, rates))
-                           + 8 * OP_OVERHEAD_S)
-    return t + gemm_seconds(rates, dtype, lc.dense_flops, T, b_e)
+        return t + calibrated(rates, mode, "gemm", used * (expert_seconds(
+            rates, dtype, lc.expert_flops, per_expert, b_e, mlp_shape(lc, rates)) + 8 * OP_OVERHEAD_S), used)
+    return t + calibrated(rates, mode, "gemm", gemm_seconds(rates, dtype, lc.dense_flops, T, b_e))
 
 
-def head_seconds(cost: ModelCost, rates: Rates, rows: int) -> float:
-    return (gemm_seconds(rates, cost.dtype, cost.head_flops, rows, max(1, rows)) + 4 * OP_OVERHEAD_S
-            + elementwise_seconds(rates, cost.dtype, cost.head_elem_bytes, rows))
+def head_seconds(cost: ModelCost, rates: Rates, rows: int, mode: str = "resident") -> float:
+    return calibrated(rates, mode, "head", gemm_seconds(rates, cost.dtype, cost.head_flops, rows, max(1, rows))
+                      + 4 * OP_OVERHEAD_S + elementwise_seconds(rates, cost.dtype, cost.head_elem_bytes, rows))
 
 
 def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs) -> Schedule:
@@ -206,6 +243,7 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
     fetch with prefetch 0 runs while compute waits for it and steals nothing."""
     dt = cost.dtype
     streams = knobs.streams
+    mode = mode_of(streams)
     steal = 1.0 - rates.copy_overlap
     g = nx.DiGraph()
     jobs: dict[str, Job] = {}
@@ -221,11 +259,19 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
         last[lane] = name
         return name
 
-    def copy(bytes_: float, direction: str = "h2d") -> float:
-        return bytes_ / rates.copy_rate(direction, bytes_) if bytes_ > 0 else 0.0
+    moved: dict[str, float] = {}  # copy job -> its modelled length (bytes / rate): what it steals
+
+    def copy_job(name: str, bytes_: float, kind: str, deps: list[str | None], layer: int | None,
+                 share: float = 1.0) -> str:
+        t = share * bytes_ / rates.copy_rate("h2d", bytes_) if bytes_ > 0 else 0.0
+        moved[name] = t
+        return add(name, "copy", calibrated(rates, mode, kind, t, share) if t > 0 else 0.0, kind, deps, layer)
+
+    def cal(kind: str, seconds: float, jobs: float = 1.0) -> float:
+        return calibrated(rates, mode, kind, seconds, jobs)
 
     def stolen(*copies: str | None) -> float:
-        return steal * sum(jobs[c].seconds for c in copies if c is not None)
+        return steal * sum(moved[c] for c in copies if c is not None)
 
     S, T, c = shape.S, shape.T, shape.context
     M = max(1, math.ceil(S / max(1, knobs.b_a)))
@@ -235,22 +281,20 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
         i = lc.layer
         wfetch = None
         if streams and not knobs.is_resident(f"L{i}.attn"):
-            wfetch = add(f"L{i}.fetch.attn", "copy", copy(lc.attn_bytes), "fetch", [], i)
+            wfetch = copy_job(f"L{i}.fetch.attn", lc.attn_bytes, "fetch", [], i)
         attn_jobs = []
         for m in range(M):
             s_m, t_m = S / M, T / M
             kv = s_m * c * lc.kv_bytes_per_ctx
             load = None
             if streams:  # into the KV buffer the attention job two back used
-                load = add(f"L{i}.kv_load.{m}", "copy", copy(kv), "kv_load",
-                           [all_attn[-2] if len(all_attn) >= 2 else None], i)
+                load = copy_job(f"L{i}.kv_load.{m}", kv, "kv_load", [all_attn[-2] if len(all_attn) >= 2 else None], i)
             t = attn_micro_seconds(lc, rates, dt, s_m, t_m, c, gather=not streams)
-            a = add(f"L{i}.attn.{m}", "compute", t + stolen(load, wfetch if m == 0 else None), "attention",
-                    [prev, load, wfetch], i)
+            a = add(f"L{i}.attn.{m}", "compute", cal("attention", t + stolen(load, wfetch if m == 0 else None)),
+                    "attention", [prev, load, wfetch], i)
             attn_jobs.append(a)
             all_attn.append(a)
-        prev = add(f"L{i}.router", "compute", gemm_seconds(rates, dt, lc.router_flops, T, max(1, T))
-                   + 6 * OP_OVERHEAD_S + elementwise_seconds(rates, dt, lc.ffn_elem_bytes, T), "router", attn_jobs, i)
+        prev = add(f"L{i}.router", "compute", router_seconds(lc, rates, dt, T, mode), "router", attn_jobs, i)
         if lc.moe:
             used = experts_in_use(lc, T)
             n_jobs = max(1, int(math.ceil(used - 1e-9)))
@@ -262,24 +306,26 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
                 fetch = None
                 if not resident:
                     back = e - knobs.prefetch - 1
-                    fetch = add(f"L{i}.fetch.e{e}", "copy", share * copy(lc.expert_bytes), "fetch",
-                                [computes[back] if back >= 0 else prev], i)
+                    fetch = copy_job(f"L{i}.fetch.e{e}", lc.expert_bytes, "fetch",
+                                     [computes[back] if back >= 0 else prev], i, share)
                 t = share * expert_seconds(rates, dt, lc.expert_flops, per_expert, knobs.b_e,
                                            mlp_shape(lc, rates)) + share * 8 * OP_OVERHEAD_S
                 # prefetch 0: the fetch ran while compute waited for it (one slot), so it stole nothing
                 steal_e = stolen(fetch) if knobs.prefetch > 0 else 0.0
-                computes.append(add(f"L{i}.expert.{e}", "compute", t + steal_e, "gemm", [prev, fetch], i))
+                computes.append(add(f"L{i}.expert.{e}", "compute", cal("gemm", t + steal_e, share), "gemm",
+                                    [prev, fetch], i))
             prev = computes[-1]
         else:
             dfetch = None
             if streams and not knobs.is_resident(f"L{i}.dense"):
-                dfetch = add(f"L{i}.fetch.dense", "copy", copy(lc.dense_bytes), "fetch", [prev], i)
-            prev = add(f"L{i}.mlp", "compute", gemm_seconds(rates, dt, lc.dense_flops, T, knobs.b_e) + stolen(dfetch),
-                       "gemm", [prev, dfetch], i)
+                dfetch = copy_job(f"L{i}.fetch.dense", lc.dense_bytes, "fetch", [prev], i)
+            prev = add(f"L{i}.mlp", "compute", cal("gemm", gemm_seconds(rates, dt, lc.dense_flops, T, knobs.b_e)
+                                                     + stolen(dfetch)), "gemm", [prev, dfetch], i)
     hfetch = None
     if streams and not knobs.is_resident("head"):
-        hfetch = add("head.fetch", "copy", copy(cost.head_bytes), "fetch", [])
-    add("head", "compute", head_seconds(cost, rates, shape.head_rows) + stolen(hfetch), "head", [prev, hfetch])
+        hfetch = copy_job("head.fetch", cost.head_bytes, "fetch", [], None)
+    add("head", "compute", head_seconds(cost, rates, shape.head_rows, mode) + cal("head", stolen(hfetch), 0.0),
+        "head", [prev, hfetch])
     return _critical(g, jobs)
 
 

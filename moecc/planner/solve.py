@@ -39,7 +39,7 @@ from typing import Any
 
 from moecc.planner.costs import ModelCost
 from moecc.planner.schedule import (Rates, StepShape, attn_layer_seconds, experts_in_use,
-                                    ffn_layer_seconds, head_seconds)
+                                    ffn_layer_seconds, head_seconds, calibrated, mode_of)
 
 DEVICE_DERATE = 0.9
 HOST_DERATE = 0.8
@@ -158,6 +158,11 @@ class _Tables:
     dec_copy_fixed: list[int]  # KV traffic per layer (ns)
     pre_copy_fixed: dict[tuple[int, int, int], list[int]]
     fetch_ns: dict[str, dict[str, int]]  # phase -> group -> ns when not resident (per step)
+    # the same copies at their modelled length (bytes / rate), before calibration: what a copy
+    # steals from compute goes with the bytes it moves, not with its waits
+    dec_steal_fixed: list[int]
+    pre_steal_fixed: dict[tuple[int, int, int], list[int]]
+    steal_fetch_ns: dict[str, dict[str, int]]
     dev_fixed: int  # two dense slots
     dev_b_a: dict[int, int]  # decode temporaries of an attention micro-batch
     dev_b_e: dict[int, int]  # decode temporaries of an expert chunk
@@ -196,37 +201,45 @@ def _tables(pr: Problem, B: int) -> _Tables:
 
     ns = lambda s: int(round(s * US))  # noqa: E731
     gather = not pr.copies  # without an arena the compute thread gathers KV itself
+    mode = mode_of(pr.copies)  # the profile's calibration for this execution mode
     dec_attn = {a: [ns(attn_layer_seconds(lc, r, dt, dec, a, gather)) for lc in c.layers] for a in b_a}
-    dec_ffn = {e: [ns(ffn_layer_seconds(lc, r, dt, B, e)) for lc in c.layers] for e in b_e}
+    dec_ffn = {e: [ns(ffn_layer_seconds(lc, r, dt, B, e, mode)) for lc in c.layers] for e in b_e}
     pre_comp = {}
     pre_head = {}
     pre_copy_fixed = {}
     for t, a, e in pre:
         sh = pre_shape(t)
-        pre_comp[(t, a, e)] = [ns(attn_layer_seconds(lc, r, dt, sh, a, gather) + ffn_layer_seconds(lc, r, dt, t, e))
-                               for lc in c.layers]
-        pre_head[(t, a, e)] = ns(head_seconds(c, r, sh.head_rows))
+        pre_comp[(t, a, e)] = [ns(attn_layer_seconds(lc, r, dt, sh, a, gather)
+                                  + ffn_layer_seconds(lc, r, dt, t, e, mode)) for lc in c.layers]
+        pre_head[(t, a, e)] = ns(head_seconds(c, r, sh.head_rows, mode))
 
-    def kv_copy(shape: StepShape) -> list[int]:
+    def kv_copy(shape: StepShape, cal: bool = True) -> list[int]:
         if not pr.copies:
             return [0 for _ in c.layers]
         out = []  # the KV loads (the stores are the compute thread's, inside attention)
         for lc in c.layers:
             load = shape.S * shape.context * lc.kv_bytes_per_ctx
-            out.append(ns(load / r.copy_rate("h2d", load)) if load > 0 else 0)
+            t = load / r.copy_rate("h2d", load) if load > 0 else 0.0
+            out.append(ns(calibrated(r, mode, "kv_load", t) if cal and t > 0 else t))
         return out
 
+    pre_steal_fixed = {}
     for key in pre:
         pre_copy_fixed[key] = kv_copy(pre_shape(key[0]))
+        pre_steal_fixed[key] = kv_copy(pre_shape(key[0]), cal=False)
     groups = pr.groups()
     fetch_ns: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
+    steal_fetch_ns: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
     for phase, T in (("decode", B), ("prefill", max(pre_tps))):
         for g, nbytes in groups.items():
-            used = nbytes
+            used, jobs = nbytes, 1.0
             if g.endswith(".experts"):
                 lc = c.layers[int(g.split(".")[0][1:])]
-                used = experts_in_use(lc, T) * lc.expert_bytes
-            fetch_ns[phase][g] = ns(used / r.copy_rate("h2d", used)) if used else 0
+                jobs = experts_in_use(lc, T)
+                used = jobs * lc.expert_bytes
+            t = used / r.copy_rate("h2d", used) if used else 0.0
+            fetch_ns[phase][g] = ns(calibrated(r, mode, "fetch", t, jobs)) if used else 0
+            steal_fetch_ns[phase][g] = ns(t)
     it = c.itemsize
     dev_b_a = {a: a * c.hidden * 6 * it for a in b_a}
     dev_b_e = {e: e * c.act_bytes_per_token for e in b_e}
@@ -246,7 +259,9 @@ def _tables(pr: Problem, B: int) -> _Tables:
             "buffers": max(B, max(pre_tps)) * c.buffer_bytes_per_token}
     return _Tables(
         B=B, b_a=b_a, b_e=b_e, pre=pre, p=p, groups=groups, dec_attn=dec_attn, dec_ffn=dec_ffn,
-        pre_comp=pre_comp, dec_head=ns(head_seconds(c, r, B)), pre_head=pre_head, dec_copy_fixed=kv_copy(dec),
+        pre_comp=pre_comp, dec_head=ns(head_seconds(c, r, B, mode)), pre_head=pre_head,
+        dec_copy_fixed=kv_copy(dec), dec_steal_fixed=kv_copy(dec, cal=False), pre_steal_fixed=pre_steal_fixed,
+        steal_fetch_ns=steal_fetch_ns,
         pre_copy_fixed=pre_copy_fixed, fetch_ns=fetch_ns,
         dev_fixed=(2 * (c.max_dense_module_bytes + DENSE_SLOT_PAD) if pr.copies else 0) + TEMP_ALLOWANCE,
         dev_b_a=dev_b_a, dev_b_e=dev_b_e, dev_pre=dev_pre, dev_p=dev_p, dev_kv_dec=dev_kv_dec,
@@ -368,13 +383,15 @@ def _cp_sat(pr: Problem, tb: _Tables, pre: list[tuple[int, int, int]], time_limi
         for i in range(L):
             if phase == "decode":
                 comp = sum(xa[a] * tb.dec_attn[a][i] for a in tb.b_a) + sum(xe[e] * tb.dec_ffn[e][i] for e in tb.b_e)
-                fixed = tb.dec_copy_fixed[i]
+                fixed, fixed_steal = tb.dec_copy_fixed[i], tb.dec_steal_fixed[i]
             else:
                 comp = sum(z[k] * tb.pre_comp[k][i] for k in pre)
                 fixed = sum(z[k] * tb.pre_copy_fixed[k][i] for k in pre)
+                fixed_steal = sum(z[k] * tb.pre_steal_fixed[k][i] for k in pre)
             copy = fixed + sum((1 - rg[g]) * tb.fetch_ns[phase][g] for g in _layer_groups(tb, i))
+            moved = fixed_steal + sum((1 - rg[g]) * tb.steal_fetch_ns[phase][g] for g in _layer_groups(tb, i))
             t = m.NewIntVar(0, T_MAX, f"t_{phase}_{i}")
-            m.Add(STEAL_SCALE * t >= STEAL_SCALE * comp + tb.steal * copy)  # copies steal compute
+            m.Add(STEAL_SCALE * t >= STEAL_SCALE * comp + tb.steal * moved)  # copies steal compute
             m.Add(t >= copy)
             if 0 in y:  # no prefetch: a layer's fetches and compute do not overlap
                 m.Add(t >= comp + copy - T_MAX * (1 - y[0]))
@@ -430,12 +447,13 @@ def _evaluate(pr: Problem, tb: _Tables, ch: Choice) -> tuple[float, int, int, li
         for i in range(L):
             if phase == "decode":
                 comp = tb.dec_attn[ch.b_a][i] + tb.dec_ffn[ch.b_e][i]
-                copy = tb.dec_copy_fixed[i]
+                copy, moved = tb.dec_copy_fixed[i], tb.dec_steal_fixed[i]
             else:
                 comp = tb.pre_comp[ch.prefill][i]
-                copy = tb.pre_copy_fixed[ch.prefill][i]
+                copy, moved = tb.pre_copy_fixed[ch.prefill][i], tb.pre_steal_fixed[ch.prefill][i]
             copy += sum(tb.fetch_ns[phase][g] for g in _layer_groups(tb, i) if g not in ch.resident)
-            t = comp + copy if ch.prefetch == 0 else max(comp + tb.steal * copy / STEAL_SCALE, copy)
+            moved += sum(tb.steal_fetch_ns[phase][g] for g in _layer_groups(tb, i) if g not in ch.resident)
+            t = comp + copy if ch.prefetch == 0 else max(comp + tb.steal * moved / STEAL_SCALE, copy)
             if phase == "decode":
                 binding.append(f"L{i} decode: {'compute+copy (no prefetch)' if ch.prefetch == 0 and copy else 'copy' if copy > comp else 'compute'}")
             total += t
