@@ -42,6 +42,7 @@ COPY_KINDS = ("fetch", "kv_load")
 COMPUTE_KINDS = ("attention", "gemm", "router", "head")
 #: measured compute kinds folded into a modelled one (the rest, e.g. stem, is overhead)
 FOLD = {"glue": "router"}
+MIN_SPREAD = 0.2  # the two steps' seconds per job must differ by this share to fit both parts
 PROBE_S = 1e-3  # seconds per job added to count a kind's jobs as the schedule weighs them
 
 
@@ -75,7 +76,8 @@ def knobs_of(plan: dict[str, Any], phase: str) -> Knobs:
 
 def affine(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
     """(factor, seconds per job) from (modelled seconds, jobs, measured seconds) points:
-    exact through two points when both parts come out in range; otherwise the factor alone
+    exact through two points when their modelled seconds per job differ by MIN_SPREAD and
+    both parts come out in range; otherwise the factor alone
     (least squares through the origin, clamped to CALIBRATION_FACTOR_RANGE) and what it
     leaves, if positive, per job. None without a point both sides saw."""
     lo, hi = CALIBRATION_FACTOR_RANGE
@@ -85,7 +87,9 @@ def affine(points: list[tuple[float, float, float]]) -> tuple[float, float] | No
     if len(pts) >= 2:
         (p1, u1, m1), (p2, u2, m2) = pts[0], pts[-1]
         det = p1 * u2 - p2 * u1
-        if abs(det) > 1e-9 * (abs(p1 * u2) + abs(p2 * u1)):
+        # jobs of the same size in both steps (e.g. whole-expert fetches) cannot tell a
+        # factor from a per-job cost: then the factor alone
+        if abs(det) > MIN_SPREAD * max(abs(p1 * u2), abs(p2 * u1)):
             f, c = (m1 * u2 - m2 * u1) / det, (p1 * m2 - p2 * m1) / det
             if lo <= f <= hi and c >= 0:
                 return f, c
@@ -181,6 +185,7 @@ def calibrate(model: Path, rates: HardwareProfile, work: Path | None = None, wor
     job's first is left out (uncorrected); with one step only, factors carry no per-job part
     and the overhead no per-row part. Raises HardwareError when a run fails."""
     from moecc.compiler import compile_model
+    from moecc.errors import BudgetError, HardwareError, PassError
     from moecc.planner.costs import model_cost
     from moecc_runtime.plan import save_plan
 
@@ -197,9 +202,23 @@ def calibrate(model: Path, rates: HardwareProfile, work: Path | None = None, wor
         prompts = work / "calibrate-prompts.jsonl"
         w = workload
         _prompts(prompts, w.sequences, max(1, w.prompt * 3 // 4), w.prompt * 5 // 4, w.output, vocab)
-        for mode, gpu_mem in (("resident", None), ("streamed", int(w.streamed_share * weights))):
-            plan, graph = compile_model(model, gpu_mem=gpu_mem, prompt_tokens=w.prompt, output_tokens=w.output,
-                                        max_batch=w.sequences, hardware=hw)
+        for mode, shares in (("resident", (None,)), ("streamed", (w.streamed_share, 0.5, 0.8))):
+            compiled = None
+            for share in shares:  # a small model's minimum working set may be a large share of it
+                try:
+                    compiled = compile_model(model, gpu_mem=None if share is None else int(share * weights),
+                                             prompt_tokens=w.prompt, output_tokens=w.output, max_batch=w.sequences,
+                                             hardware=hw)
+                    break
+                except PassError as e:
+                    if not isinstance(e.__cause__, BudgetError):
+                        raise
+                    continue
+            if compiled is None:
+                log(f"calibration: no --gpu-mem up to {shares[-1]:.0%} of the weights fits {model}; "
+                    f"{mode} weights left uncalibrated")
+                continue
+            plan, graph = compiled
             path, stats = work / f"calibrate-{mode}.pt", work / f"calibrate-{mode}-stats.json"
             save_plan(plan, path)
             log(f"calibrating {mode} weights: {w.sequences} prompts of ~{w.prompt} tokens, {w.output} new each")
@@ -207,8 +226,6 @@ def calibrate(model: Path, rates: HardwareProfile, work: Path | None = None, wor
                                 str(work / f"calibrate-{mode}.jsonl"), "--stats", str(stats), "--device", device,
                                 "--overwrite", "--quiet"], capture_output=True, text=True)
             if r.returncode != 0:
-                from moecc.errors import HardwareError
-
                 raise HardwareError(f"calibration run of {model} ({mode} weights) failed (exit {r.returncode}):\n"
                                     f"{r.stderr.strip()[-2000:]}")
             timeline = json.loads(stats.read_text())["engine"].get("timeline") or {}

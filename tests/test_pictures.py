@@ -147,6 +147,11 @@ def test_measured_timeline_from_exec_stats_drawn_under_the_predicted(checkpoints
         assert busy <= t["step_s"] * 1.001  # one compute thread: its jobs do not overlap
     assert tl["decode"]["prefill_tokens"] == 0
     assert tl["prefill"]["prefill_tokens"] > tl["prefill"]["tokens"] / 2
+    # the step's shape, as the planner's StepShape reads it (moecc/calibrate.py): a decode row
+    # attends to its whole sequence; a prefill row on average to half its step's prompt and more
+    assert tl["decode"]["context"] > tl["decode"]["tokens"] / tl["decode"]["sequences"]
+    assert 0 < tl["prefill"]["context"] and 0 < tl["prefill"]["head_rows"] <= tl["prefill"]["sequences"]
+    assert tl["decode"]["head_rows"] == tl["decode"]["sequences"]
     out = tmp_path / "t.svg"
     r = CliRunner().invoke(app, ["explain", str(path), "--timeline", str(out), "--measured", str(stats),
                                  "--layers", "0"])

@@ -37,16 +37,34 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 2e-4 * max(abs(a), abs(b))  # CP-SAT weighs steps with integer weights (1e-4)
 
 
+#: a calibration (moecc/calibrate.py) with slow KV loads: on a CPU their waits do not steal compute
+CALIBRATION = {"streamed": {"factor": {"kv_load": 3.0, "fetch": 1.2, "attention": 1.3, "gemm": 1.1, "router": 2.0},
+                            "job_s": {"kv_load": 4e-4, "attention": 1e-4, "gemm": 3e-5},
+                            "overhead_layer_s": 2e-4, "overhead_row_s": 1e-6}}
+
+
+def rates_for(name: str):
+    if name == "a5000":
+        return resolve_hardware("a5000")
+    base = resolve_hardware("a5000" if name == "a5000+calibration" else "cpu")  # cpu: copy_overlap 0.5
+    return dataclasses.replace(base, calibration=CALIBRATION)
+
+
 @settings(max_examples=25, deadline=None)
 @given(gpu=st.integers(150_000, 3_000_000), B=st.sampled_from([1, 4, 16, 64]),
-       prompt=st.integers(4, 64), output=st.integers(1, 64))
-def test_cp_sat_optimum_equals_enumeration(gpu, B, prompt, output):
-    pr = problem(gpu_mem=gpu, prompt_tokens=float(prompt), output_tokens=float(output))
+       prompt=st.integers(4, 64), output=st.integers(1, 64),
+       hw=st.sampled_from(["a5000", "a5000+calibration", "cpu+calibration"]))
+def test_cp_sat_optimum_equals_enumeration(gpu, B, prompt, output, hw):
+    pr = problem(gpu_mem=gpu, prompt_tokens=float(prompt), output_tokens=float(output), rates=rates_for(hw))
     got = S.solve_for_batch(pr, B)
     want = S.enumerate_best(pr, B)
     assert (got is None) == (want is None)
     if got is not None:
-        assert close(got.seconds_per_request, want.seconds_per_request), (got.choice, want.choice)
+        # CP-SAT's per-layer times are whole µs (a copy's stolen share rounds up): allow that
+        steps = output / B + prompt / got.choice.prefill[0]
+        slack = steps * (len(pr.cost.layers) + 1) * 1e-6
+        assert close(got.seconds_per_request, want.seconds_per_request) or \
+            abs(got.seconds_per_request - want.seconds_per_request) <= slack, (got.choice, want.choice)
 
 
 @settings(max_examples=10, deadline=None)
