@@ -109,7 +109,7 @@ class SolveBatchSizes(Pass):
             "batch_candidates": sol.candidates,
             "formulation": "see moecc/planner/solve.py: minimise output/B x T_decode + prompt/tps x T_prefill "
                            "over one-hot b_a, b_e, (tps, b_a, b_e), prefetch and residency booleans; "
-                           "per layer t >= compute + (1 - copy_overlap) x copy, t >= copy, t >= compute + copy "
+                           "per layer t >= compute + (1 - copy_overlap) x copy at bytes/rate, t >= copy, t >= compute + copy "
                            "without prefetch",
         }
         return PassResult(g, modified=True)

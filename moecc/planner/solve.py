@@ -9,10 +9,13 @@ Formulation (all times in µs, memory in bytes; `x_*` one-hot choices, `r_g` res
                   when the profile says copies hide less than NO_OVERLAP behind compute)
   residency       r_g for g in L{i}.attn, L{i}.experts, L{i}.dense, head (1 = kept on device)
   per phase f and layer l:
-    comp_fl = sum x . attention time(b_a) + sum x . expert/MLP time(b_e)      (measured rates)
+    comp_fl = sum x . attention time(b_a) + sum x . expert/MLP time(b_e)      (measured rates,
+                                                          calibrated on the runtime when profiled so)
     copy_fl = sum_g (1 - r_g) . fetch time(g) + KV load/store time           (0 on a CPU device
                                                                                without --gpu-mem)
-    t_fl >= comp_fl,  t_fl >= copy_fl,  t_fl >= comp_fl + copy_fl - BIG . (1 - y[0])
+    moved_fl = copy_fl at bytes / rate, before calibration (what a copy steals from compute)
+    t_fl >= comp_fl + (1 - copy_overlap) . moved_fl,  t_fl >= copy_fl,
+    t_fl >= comp_fl + copy_fl - BIG . (1 - y[0])
     T_f = sum_l t_fl + head_f (+ its fetch)
   device memory (each phase, when --gpu-mem is set), at a 0.9 derate:
     arena = sum_g r_g . bytes_g + (p + 1) . expert slot + 2 . dense slot
@@ -38,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moecc.planner.costs import ModelCost
-from moecc.planner.schedule import (Rates, StepShape, attn_layer_seconds, experts_in_use,
-                                    ffn_layer_seconds, head_seconds, calibrated, mode_of)
+from moecc.planner.schedule import (Rates, StepShape, attn_layer_seconds, calibrated, experts_in_use,
+                                    ffn_layer_seconds, head_seconds, mode_of)
 
 DEVICE_DERATE = 0.9
 HOST_DERATE = 0.8
