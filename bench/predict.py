@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             if near(c_pre, min(fastest)) and near(c_post, min(fastest)):
                 break
         c0 = (c_pre + c_post) / 2
-        canaries.append({"round": rnd + 1, "before_profile_s": c_pre, "after_profile_s": c_post})
+        canaries.append({"round": rnd + 1, "before_profile_s": c_pre, "after_profile_s": c_post,
+                         "calibration": json.loads(hw_r.read_text()).get("calibration", {})})
         order = range(len(rows)) if rnd % 2 == 0 else reversed(range(len(rows)))
         for i in order:
             r = rows[i]
