@@ -375,13 +375,22 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.canary_tol:.0%} of its value at profile time before and after them")
     print(f"run-to-run spread of job tok/s (median over plans): {noise:.1%}; the planner's choice against each "
           f"hand-set one: " + ", ".join(f"{m:+.1%}" for m in margins.values()))
+    # each hand-set plan: measured and predicted margin, and whether the measured one is beyond
+    # the run-to-run spread (a variant the model itself calls a tie can only tie)
+    predicted_margins = {r["name"]: chosen["predicted"]["job_tokens_per_s"] / r["predicted"]["job_tokens_per_s"] - 1
+                         for r in rows if r["kind"] == "hand"}
+    verdicts = {n: "beats" if m > 0 else "ties within the spread" if m >= -noise else "loses"
+                for n, m in margins.items()}
+    for n, m in margins.items():
+        print(f"  against {n}: measured {m:+.1%}, predicted {predicted_margins[n]:+.1%}: {verdicts[n]}")
     print(f"fastest measured (median job tok/s): {best['name']}; the planner's choice ({chosen['name']}) "
           f"{'beats' if beats else 'does NOT beat'} every hand-set configuration on its budget")
     out = a.json or a.work / "predict.json"
     out.write_text(json.dumps({"rows": rows, "mae": mae, "mae_all_runs": mae_all, "runs_taken": n_taken,
                                "runs_settled": n_settled, "canary_tol": a.canary_tol, "canaries": canaries,
                                "planner_beats_hand_set": beats,
-                               "margins_over_hand_set": margins, "run_to_run_spread": noise,
+                               "margins_over_hand_set": margins, "predicted_margins_over_hand_set":
+                                   predicted_margins, "verdicts": verdicts, "run_to_run_spread": noise,
                                "peak_within_budget": within,
                                "best_planner": planner_best["name"], "torch": torch.__version__}, indent=1) + "\n")
     print(f"wrote {out}")

@@ -25,6 +25,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
     out: dict[str, Any] = {
         "model": plan["model"]["architecture"],
         "hardware": pred.get("hardware"),
+        "calibrated_on": pred.get("calibrated_on"),
         "prefill_tokens_per_s": pred.get("prefill_tokens_per_s"),
         "decode_tokens_per_s": pred.get("decode_tokens_per_s"),
         "job_tokens_per_s": pred.get("job_tokens_per_s"),
@@ -71,7 +72,8 @@ def _eta(plan: dict[str, Any], prompts: Path, model_dir: Path | None, default_ma
 
 
 def format_explain(rep: dict[str, Any]) -> str:
-    lines = [f"{rep['model']} on {rep['hardware'] or 'unknown hardware'}"]
+    cal = f" (planner calibrated on a job of {rep['calibrated_on']})" if rep.get("calibrated_on") else ""
+    lines = [f"{rep['model']} on {rep['hardware'] or 'unknown hardware'}{cal}"]
     b = rep["batch"]
     for phase in ("prefill", "decode"):
         rate = rep.get(f"{phase}_tokens_per_s")

@@ -135,6 +135,11 @@ def test_profile_calibrates_on_a_real_job_and_compile_uses_it(tmp_path, checkpoi
     plans = {name: compile_model(model, hardware=hw, prompt_tokens=16, output_tokens=8)[0]
              for name, hw in (("calibrated", out), ("raw", _saved(dataclasses.replace(p, calibration={}), tmp_path)))}
     assert plans["calibrated"]["predicted"]["decode_step_s"] != plans["raw"]["predicted"]["decode_step_s"]
+    assert plans["calibrated"]["predicted"]["calibrated_on"] == model.name
+    assert plans["raw"]["predicted"]["calibrated_on"] is None
+    from moecc.explain import explain, format_explain
+
+    assert f"calibrated on a job of {model.name}" in format_explain(explain(plans["calibrated"]))
 
 
 def _saved(p: HardwareProfile, tmp_path) -> str:

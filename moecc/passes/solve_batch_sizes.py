@@ -85,6 +85,7 @@ class SolveBatchSizes(Pass):
         }
         g.attrs["predicted"] = {
             "hardware": hw.name,
+            "calibrated_on": hw.calibration.get("model"),  # the runtime job the profile was fitted to (None: not)
             "decode_tokens_per_s": decode_tps,
             "prefill_tokens_per_s": prefill_tps,
             "job_tokens_per_s": output / per_request,
