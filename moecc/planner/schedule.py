@@ -77,11 +77,6 @@ class StepShape:
     context: float
     head_rows: int
 
-    @property
-    def phase(self) -> str:
-        """Prefill when sequences run more than one row each."""
-        return "prefill" if self.T > self.S else "decode"
-
 
 @dataclass(frozen=True)
 class Knobs:
