@@ -190,8 +190,13 @@ def calibrate(model: Path, rates: HardwareProfile, work: Path | None = None, wor
     from moecc_runtime.plan import save_plan
 
     model = Path(model)
-    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    if not weights:
+        raise HardwareError(f"--model {model}: no *.safetensors weights to calibrate on (a config-only "
+                            f"directory); pass --no-calibrate to measure its expert MLP shape only")
+    vocab = int(json.loads((model / "config.json").read_text()).get("vocab_size") or 0)
+    if vocab < 4:
+        raise HardwareError(f"--model {model}: config.json has no usable vocab_size for the calibration prompts")
     out: dict[str, Any] = {"model": model.name}
     with tempfile.TemporaryDirectory(prefix="moecc-calibrate-") as tmp:
         work = Path(work or tmp)

@@ -326,6 +326,9 @@ def test_profile_model_option_measures_its_expert_shape(tmp_path):
     pts = p.curves["mlp"]["float32:64x96"]
     assert len(pts) >= 3 and all(r > 0 for _, r in pts)
     assert p.mlp_rate("float32", pts[-1][0], 64, 96) == pts[-1][1]
+    no_weights = CliRunner().invoke(app, ["profile", "--quick", "--device", "cpu", "--model", str(model), "-o",
+                                          str(tmp_path / "cal.json")])
+    assert no_weights.exit_code == 1 and "--no-calibrate" in no_weights.output
     bad = CliRunner().invoke(app, ["profile", "--quick", "--model", str(tmp_path / "nope"), "-o", str(out)])
     assert bad.exit_code != 0 and "cannot read hidden/intermediate sizes" in bad.output
 
