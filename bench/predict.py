@@ -87,22 +87,18 @@ def model_cost_of(model: Path) -> Any:
 def predicted_for(plan: dict[str, Any], model: Path, hw: Path) -> dict[str, float]:
     """The planner's model evaluated for the plan's own sizes, residency and prefetch (for
     hand-set plans too), on the hardware profile `hw`."""
+    from moecc.calibrate import knobs_of
     from moecc.hardware import resolve_hardware
-    from moecc.planner.schedule import Knobs, StepShape, build_schedule
+    from moecc.planner.schedule import StepShape, build_schedule
 
     cost, rates = model_cost_of(model), resolve_hardware(str(hw))
     b, wl = plan["batch"], plan["batch"]["workload"]
     prompt, output = float(wl["prompt_tokens"]), float(wl["output_tokens"])
     d, pf = b["decode"], b["prefill"]
-    lay = plan.get("arena")
-    resident = frozenset(lay["resident"]) if lay else frozenset({"all"})
-    prefetch = int(lay["expert_slots"]) - 1 if lay else 1
-    dec = build_schedule(cost, rates, StepShape(d["B"], d["B"], prompt + output / 2, d["B"]),
-                         Knobs(d["b_a"], d["b_e"], prefetch, resident))
+    dec = build_schedule(cost, rates, StepShape(d["B"], d["B"], prompt + output / 2, d["B"]), knobs_of(plan, "decode"))
     tps = pf["tokens_per_step"]
     seqs = max(1, int(round(tps / max(prompt, 1))))
-    pre = build_schedule(cost, rates, StepShape(seqs, tps, prompt / 2, seqs), Knobs(pf["b_a"], pf["b_e"], prefetch,
-                                                                                    resident))
+    pre = build_schedule(cost, rates, StepShape(seqs, tps, prompt / 2, seqs), knobs_of(plan, "prefill"))
     dec_tps, pre_tps = d["B"] / dec.seconds, tps / pre.seconds
     return {"decode_tokens_per_s": dec_tps, "prefill_tokens_per_s": pre_tps,
             "job_tokens_per_s": output / (output / dec_tps + prompt / pre_tps)}
