@@ -9,8 +9,8 @@ a decode step (few rows) and a prefill step (many rows); for each, the planner's
 of that same step (its sequences, rows, context and the plan's knobs) is compared with the
 measured timeline, and per mode `fit_mode` fits:
 
-  1. copy kinds (fetch, kv_load), then compute kinds (attention, gemm, router, head, with
-     the copies already corrected: a CPU copy steals compute in proportion to its length):
+  1. copy kinds (fetch, kv_load), then compute kinds (attention, gemm, router, head; a CPU
+     copy steals compute by the bytes it moves, its modelled length, whatever its calibration):
      measured = factor x modelled + seconds per job x jobs, through the two steps' points
      (`affine`); the runtime's other glue ops count as router (the MoE module's glue is
      modelled there) and the embedding as overhead;

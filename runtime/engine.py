@@ -214,7 +214,8 @@ class Engine:
                 out = self._run_module(module, env, b, None)
                 if kind == "head":
                     logits = out
-        context = sum(s.cached + n / 2 for s, n in work) / max(1, len(work))  # mean positions a row attends
+        if trace is not None:  # the step's mean context: positions a row attends to, before this step's
+            context = sum(s.cached + n / 2 for s, n in work) / max(1, len(work))
         for s, n in work:
             s.cached += n
         assert logits is not None, "plan has no head module"

@@ -216,20 +216,20 @@ def _tables(pr: Problem, B: int) -> _Tables:
                                   + ffn_layer_seconds(lc, r, dt, t, e, mode)) for lc in c.layers]
         pre_head[(t, a, e)] = ns(head_seconds(c, r, sh.head_rows, mode))
 
-    def kv_copy(shape: StepShape, cal: bool = True) -> list[int]:
-        if not pr.copies:
-            return [0 for _ in c.layers]
-        out = []  # the KV loads (the stores are the compute thread's, inside attention)
-        for lc in c.layers:
-            load = shape.S * shape.context * lc.kv_bytes_per_ctx
-            t = load / r.copy_rate("h2d", load) if load > 0 else 0.0
-            out.append(ns(calibrated(r, mode, "kv_load", t) if cal and t > 0 else t))
-        return out
+    def kv_load(shape: StepShape) -> tuple[list[int], list[int]]:
+        """Per layer, the KV loads (the stores are the compute thread's, inside attention) as
+        calibrated and at bytes / rate."""
+        raw = [0.0 for _ in c.layers]
+        if pr.copies:
+            for i, lc in enumerate(c.layers):
+                load = shape.S * shape.context * lc.kv_bytes_per_ctx
+                raw[i] = load / r.copy_rate("h2d", load) if load > 0 else 0.0
+        return [ns(calibrated(r, mode, "kv_load", t)) if t > 0 else 0 for t in raw], [ns(t) for t in raw]
 
     pre_steal_fixed = {}
     for key in pre:
-        pre_copy_fixed[key] = kv_copy(pre_shape(key[0]))
-        pre_steal_fixed[key] = kv_copy(pre_shape(key[0]), cal=False)
+        pre_copy_fixed[key], pre_steal_fixed[key] = kv_load(pre_shape(key[0]))
+    dec_copy_fixed, dec_steal_fixed = kv_load(dec)
     groups = pr.groups()
     fetch_ns: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
     steal_fetch_ns: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
@@ -263,7 +263,7 @@ def _tables(pr: Problem, B: int) -> _Tables:
     return _Tables(
         B=B, b_a=b_a, b_e=b_e, pre=pre, p=p, groups=groups, dec_attn=dec_attn, dec_ffn=dec_ffn,
         pre_comp=pre_comp, dec_head=ns(head_seconds(c, r, B, mode)), pre_head=pre_head,
-        dec_copy_fixed=kv_copy(dec), dec_steal_fixed=kv_copy(dec, cal=False), pre_steal_fixed=pre_steal_fixed,
+        dec_copy_fixed=dec_copy_fixed, dec_steal_fixed=dec_steal_fixed, pre_steal_fixed=pre_steal_fixed,
         steal_fetch_ns=steal_fetch_ns,
         pre_copy_fixed=pre_copy_fixed, fetch_ns=fetch_ns,
         dev_fixed=(2 * (c.max_dense_module_bytes + DENSE_SLOT_PAD) if pr.copies else 0) + TEMP_ALLOWANCE,
