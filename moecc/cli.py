@@ -210,6 +210,39 @@ def explain_cmd(
         typer.echo(f"wrote {timeline}" + (f" (predicted and measured from {measured})" if measured else ""))
 
 
+@app.command("perplexity")
+def perplexity_cmd(
+    plan: Path = typer.Argument(..., help="Plan written by `moecc compile`."),
+    text: Path = typer.Argument(..., help="UTF-8 text file to score (e.g. examples/demo-model/heldout.txt)."),
+    window: int = typer.Option(256, "--window", help="Next-token predictions per scored window (each window "
+                               "sees only its own tokens)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory, if moved since compile."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto."),
+    json_out: bool = typer.Option(False, "--json", help="Print perplexity, nll, tokens and windows as JSON."),
+) -> None:
+    """Perplexity of PLAN's model on TEXT, computed by the runtime as `exec` runs the model:
+    how output quality is compared across weight formats."""
+    import json
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from moecc_runtime.kv import KVCacheFull
+    from moecc_runtime.perplexity import plan_perplexity
+    from moecc_runtime.plan import PlanError
+    from moecc_runtime.weights import WeightError
+
+    try:
+        res = plan_perplexity(plan, text, window=window, model_dir=model, device=device)
+    except KVCacheFull as e:
+        _fail(f"{e}: the plan's KV pool cannot hold one window of {window} tokens; pass a smaller --window")
+    except (PlanError, WeightError, OSError, RuntimeError, ValueError) as e:
+        _fail(str(e))
+    if json_out:
+        typer.echo(json.dumps({"perplexity": res.value, "nll": res.nll, "tokens": res.tokens,
+                               "windows": res.windows}))
+    else:
+        typer.echo(f"perplexity {res.value:.4f} over {res.tokens} tokens ({res.windows} windows of {window})")
+
+
 @app.command("profile")
 def profile_cmd(
     output: Path = typer.Option(Path("hw.json"), "-o", "--output", help="Where to write the hardware profile (JSON)."),

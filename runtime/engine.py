@@ -183,9 +183,11 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, work: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+    def step(self, work: list[tuple[Sequence, int]], all_rows: bool = False) -> tuple[list[Sequence], torch.Tensor]:
         """Run `n` pending tokens of each (sequence, n) in `work`. Returns the sequences whose
-        known tokens are now all cached and their next-token logits [S', V] (fp32).
+        known tokens are now all cached and their next-token logits [S', V] (fp32); with
+        `all_rows`, the logits of every row of the step instead, [T, V] in `work` order
+        (scoring text: runtime/perplexity.py).
         Raises KVCacheFull before computing anything if the pool cannot hold the step."""
         t0 = time.perf_counter()
         for s, n in work:
@@ -193,6 +195,8 @@ class Engine:
                 raise ValueError(f"sequence {s.sid}: asked to run {n} of {s.pending} pending tokens")
             self.kv.reserve(s.sid, s.cached + n)
         b = _StepBatch.build(work, self.kv)
+        if all_rows:
+            b.last_rows = torch.arange(b.T)  # every row reaches the head
         env: dict[str, torch.Tensor] = {"input_ids": b.input_ids, "positions": b.positions}
         logits = None
         experts_before = self.stats.experts_run

@@ -19,7 +19,9 @@ class Tokenizer:
             raise RuntimeError(f"{model_dir}: cannot load the tokenizer: {e}") from e
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self.tok(prompt)["input_ids"])
+        # verbose=False: no "longer than the maximum sequence length" warning (the runtime
+        # checks lengths against the plan's context itself)
+        return list(self.tok(prompt, verbose=False)["input_ids"])
 
     def encode_messages(self, messages: Any) -> list[int]:
         if not getattr(self.tok, "chat_template", None):

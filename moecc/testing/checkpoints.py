@@ -270,8 +270,8 @@ def _model_class(family: str) -> type[transformers.PreTrainedModel]:
     return _classes(family)[1]
 
 
-def _train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Train the byte-level BPE tokenizer on the bundled corpus (deterministic)."""
+def _train_tokenizer(vocab_size: int, texts: Sequence[str] | None = None) -> Tokenizer:
+    """Train the byte-level BPE tokenizer on `texts` (default: the bundled corpus); deterministic."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
@@ -284,7 +284,8 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([CORPUS_PATH.read_text(encoding="utf-8")], trainer=trainer)
+    corpus = list(texts) if texts is not None else [CORPUS_PATH.read_text(encoding="utf-8")]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     ids = [tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS]
     if ids != [PAD_ID, BOS_ID, EOS_ID]:  # pragma: no cover - guarded by the trainer
         raise RuntimeError(f"unexpected special token ids {ids}")
@@ -297,9 +298,10 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def build_tokenizer(
-    out_dir: str | Path, vocab_size: int = 384, *, model_max_length: int = 512
+    out_dir: str | Path, vocab_size: int = 384, *, model_max_length: int = 512,
+    texts: Sequence[str] | None = None,
 ) -> None:
-    """Train a byte-level BPE tokenizer on corpus.txt and write tokenizer files into out_dir.
+    """Train a byte-level BPE tokenizer on `texts` (default: corpus.txt) and write tokenizer files into out_dir.
 
     Writes ``tokenizer.json`` and a ``tokenizer_config.json`` that makes
     ``AutoTokenizer.from_pretrained(out_dir)`` load it as a fast tokenizer with
@@ -307,7 +309,7 @@ def build_tokenizer(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer = _train_tokenizer(vocab_size, texts)
     tokenizer.save(str(out / "tokenizer.json"), pretty=True)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Prove that a plain install works, as a user gets it from a wheel: build a wheel from a copy
+# of the repository's files, delete the copy, install the wheel (not editable) into a fresh
+# virtual environment, and from a directory outside any source tree compile the demo model
+# with --gpu-mem and every dump format, then exec prompts on it. A package left out of the
+# wheel or a dependency left out of pyproject.toml fails here.
+set -euo pipefail
+src="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+say() { echo "check_install: $*"; }
+
+mkdir "$work/src" "$work/dist" "$work/job"
+(cd "$src" && git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$work/src"
+cp -r "$src/examples/demo-model" "$work/job/model"
+cp "$src/examples/prompts.jsonl" "$work/job/prompts.jsonl"
+say "building the wheel"
+python -m pip wheel -q --no-deps -w "$work/dist" "$work/src"
+rm -rf "$work/src"
+wheel="$(ls "$work"/dist/moecc-*.whl)"
+say "built $(basename "$wheel"); installing it into a fresh virtual environment"
+python -m venv "$work/venv"
+py="$work/venv/bin/python"
+"$py" -m pip install -q torch==2.13.0
+"$py" -m pip install -q "$wheel"
+"$py" -m pip check
+
+cd "$work/job"
+"$py" - <<'PY'
+import sys, moecc, moecc_runtime, moecc.planner
+for m in (moecc, moecc_runtime, moecc.planner):
+    assert m.__file__.startswith(sys.prefix), f"{m.__name__} imported from {m.__file__}, not the venv"
+print("check_install: imports from", sys.prefix)
+PY
+moecc="$work/venv/bin/moecc"
+"$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt
+for ext in txt onnx svg; do
+    ls dumps/*_emit_plan."$ext" >/dev/null || { say "no $ext dump after emit_plan"; exit 1; }
+done
+"$moecc" exec plan.pt prompts.jsonl -o results.jsonl --quiet
+want="$(grep -c . prompts.jsonl)"
+got="$(grep -c '"finish_reason"' results.jsonl)"
+[ "$got" = "$want" ] || { say "$got results for $want prompts"; exit 1; }
+say "ok: wheel installed outside the source tree; compile (txt, onnx, svg dumps) and exec of $want prompts"
