@@ -64,44 +64,24 @@ _COSTS: dict[Path, Any] = {}
 
 
 def model_cost_of(model: Path) -> Any:
-    """The planner's per-layer cost table of the model (graph through the passes before the
-    solver), computed once per model."""
+    """The planner's per-layer cost table of the model (its graph through the passes before
+    the solver, by the compiler's own pipeline), computed once per model."""
     if model not in _COSTS:
-        from moecc.frontend.trace import build_graph
-        from moecc.pass_infra import PassContext
-        from moecc.passes import default_pipeline
+        from moecc.compiler import compile_graph
         from moecc.planner.costs import model_cost
 
-        g, ckpt = build_graph(model)
-        ctx = PassContext(options={"checkpoint": ckpt})
-        for p in default_pipeline():
-            if p.name == "solve_batch_sizes":
-                break
-            r = p.run(g, ctx)
-            r.graph.properties |= set(p.ensures)
-            g = r.graph
-        _COSTS[model] = model_cost(g)
+        _COSTS[model] = model_cost(compile_graph(model, stop_after="insert_transfers", verify=True))
     return _COSTS[model]
 
 
 def predicted_for(plan: dict[str, Any], model: Path, hw: Path) -> dict[str, float]:
-    """The planner's model evaluated for the plan's own sizes, residency and prefetch (for
-    hand-set plans too), on the hardware profile `hw`."""
-    from moecc.calibrate import knobs_of
-    from moecc.hardware import resolve_hardware
-    from moecc.planner.schedule import StepShape, build_schedule
+    """The planner's cost model evaluated for the plan's own sizes, residency and prefetch
+    (for hand-set plans too), on the hardware profile `hw`."""
+    from moecc.planner.cost_model import CostModel, choice_of, streams_of, workload_of
+    from moecc.planner.hardware import resolve_hardware
 
-    cost, rates = model_cost_of(model), resolve_hardware(str(hw))
-    b, wl = plan["batch"], plan["batch"]["workload"]
-    prompt, output = float(wl["prompt_tokens"]), float(wl["output_tokens"])
-    d, pf = b["decode"], b["prefill"]
-    dec = build_schedule(cost, rates, StepShape(d["B"], d["B"], prompt + output / 2, d["B"]), knobs_of(plan, "decode"))
-    tps = pf["tokens_per_step"]
-    seqs = max(1, int(round(tps / max(prompt, 1))))
-    pre = build_schedule(cost, rates, StepShape(seqs, tps, prompt / 2, seqs), knobs_of(plan, "prefill"))
-    dec_tps, pre_tps = d["B"] / dec.seconds, tps / pre.seconds
-    return {"decode_tokens_per_s": dec_tps, "prefill_tokens_per_s": pre_tps,
-            "job_tokens_per_s": output / (output / dec_tps + prompt / pre_tps)}
+    cm = CostModel(model_cost_of(model), resolve_hardware(str(hw)), streams_of(plan))
+    return cm.predict(workload_of(plan), choice_of(plan)).rates()
 
 
 def prefetch_variant(plan: dict[str, Any], budget: int) -> tuple[str, dict[str, Any] | None]:
@@ -245,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     # a run with the canary before and after it within --canary-tol of its value at profile
     # time is "settled"; an unsettled one is taken again --retries times, and every run waits
     # up to --settle-s for the canary to come back first
-    from moecc.profile import SpeedCanary
+    from moecc.measure.profile import SpeedCanary
 
     canary = SpeedCanary(cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
 

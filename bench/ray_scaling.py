@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from moecc.compiler import compile_model
-    from moecc_runtime.distributed import RayOptions
-    from moecc_runtime.exec import run_job
+    from moecc_runtime.job.distributed import RayOptions
+    from moecc_runtime.job.exec import run_job
     from moecc_runtime.plan import save_plan
 
     a.work.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ a refactor proves it changed no plan.
 
 The cases: every config under examples/configs/ (config-only plans) unbudgeted and at
 --gpu-mem 24GB --host-mem 2TB on the a5000 preset, and a tiny checkpoint of every family and
-layout that `moecc.testing.checkpoints` writes, unbudgeted and at half its weight bytes.
+layout that `moecc.testing.checkpoints` writes, unbudgeted and at 50% and 80% of its weight
+bytes.
 What varies between two compiles of one input is left out of the comparison: absolute
 paths (the checkpoint directory), wall-clock times, and the solver's own statistics.
 """
@@ -58,8 +59,9 @@ def cases(tmp: Path) -> Iterator[tuple[str, Path, dict[str, Any]]]:
             d = write_checkpoint(tmp / f"{family}-{layout}", family, layout=layout)
             weights = sum(f.stat().st_size for f in d.glob("*.safetensors"))
             yield f"ckpt-{family}-{layout}", d, {"prompt_tokens": 32, "output_tokens": 16, "max_batch": 64}
-            yield f"ckpt-{family}-{layout}-half", d, {"gpu_mem": weights // 2, "prompt_tokens": 32,
-                                                      "output_tokens": 16, "max_batch": 64}
+            for share in (50, 80):
+                yield f"ckpt-{family}-{layout}-{share}pct", d, {"gpu_mem": weights * share // 100, "prompt_tokens": 32,
+                                                                "output_tokens": 16, "max_batch": 64}
 
 
 def record(out: Path) -> int:

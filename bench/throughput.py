@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     moecc = run_moecc(model, prompts_path, a.work, round(mean_prompt), round(mean_out), a.max_batch)
     from moecc_runtime.plan import load_plan
-    from moecc_runtime.weights import TORCH_DTYPES
+    from moecc_runtime.memory.weights import TORCH_DTYPES
 
     plan = load_plan(moecc["plan"])
     info = plan["model"]["info"]

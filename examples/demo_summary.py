@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from moecc.explain import explain
+from moecc.views.explain import explain
 from moecc_runtime.plan import load_plan
 
 

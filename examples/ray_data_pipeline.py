@@ -15,7 +15,7 @@ import argparse
 
 import ray
 
-from moecc_runtime.ray_data import MoeccPredictor
+from moecc_runtime.job.ray_data import MoeccPredictor
 
 
 def main() -> None:

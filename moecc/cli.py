@@ -82,7 +82,7 @@ def compile_cmd(
 
 def _workload_from(prompts: Path, model_dir: Path, default_max: int) -> tuple[int, int]:
     """Mean prompt tokens and mean max_tokens of the valid requests in a prompts file."""
-    from moecc.explain import workload_of
+    from moecc.views.explain import workload_of
 
     w = workload_of(prompts, model_dir, default_max)
     if w["requests"] == 0:
@@ -123,12 +123,12 @@ def exec_cmd(
     after this step. Either way `--resume` continues the job. Exit status: 0 all done, 1 some
     requests failed, 130 interrupted."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from moecc_runtime.arena import ArenaError
-    from moecc_runtime.copy_engine import CopyError
-    from moecc_runtime.exec import run_job
+    from moecc_runtime.memory.arena import ArenaError
+    from moecc_runtime.memory.copy_engine import CopyError
+    from moecc_runtime.job.exec import run_job
     from moecc_runtime.plan import PlanError
-    from moecc_runtime.results import FORMATS
-    from moecc_runtime.weights import WeightError
+    from moecc_runtime.job.results import FORMATS
+    from moecc_runtime.memory.weights import WeightError
 
     if fmt not in FORMATS:
         _fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
@@ -142,7 +142,7 @@ def exec_cmd(
         _fail("--ray-address and --workers only apply with --ray")
     ray_options = None
     if ray:
-        from moecc_runtime.distributed import RayOptions, import_ray
+        from moecc_runtime.job.distributed import RayOptions, import_ray
 
         try:
             import_ray()
@@ -191,8 +191,8 @@ def explain_cmd(
     """Predicted prefill and decode tokens/s, their bottlenecks, memory use and the ETA of a job."""
     import json
 
-    from moecc.explain import explain, format_explain, measured_timeline, write_timeline
-    from moecc.timeline_svg import TimelineError
+    from moecc.views.explain import explain, format_explain, measured_timeline, write_timeline
+    from moecc.views.timeline_svg import TimelineError
     from moecc_runtime.plan import PlanError, load_plan
 
     if layers < 0:
@@ -225,10 +225,10 @@ def perplexity_cmd(
     import json
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from moecc_runtime.kv import KVCacheFull
+    from moecc_runtime.scheduler.blocks import KVCacheFull
     from moecc_runtime.perplexity import plan_perplexity
     from moecc_runtime.plan import PlanError
-    from moecc_runtime.weights import WeightError
+    from moecc_runtime.memory.weights import WeightError
 
     try:
         res = plan_perplexity(plan, text, window=window, model_dir=model, device=device)
@@ -261,7 +261,7 @@ def profile_cmd(
     import dataclasses
 
     from moecc.errors import MoeccError
-    from moecc.profile import busy_warning, measure, summarize
+    from moecc.measure.profile import busy_warning, measure, summarize
 
     warning = busy_warning()
     if warning:
@@ -270,8 +270,8 @@ def profile_cmd(
         prof = measure(device=device, dtypes=tuple(dtype) or ("float32",), quick=quick,
                        mlp_shapes=[_mlp_shape(m) for m in model])
         if model and calibrate:
-            from moecc.calibrate import QUICK, Workload
-            from moecc.calibrate import calibrate as run_calibration
+            from moecc.measure.calibrate import QUICK, Workload
+            from moecc.measure.calibrate import calibrate as run_calibration
 
             cal = run_calibration(model[0], prof, workload=QUICK if quick else Workload(), device=prof.device_kind,
                                   log=lambda m: typer.echo(m, err=True))

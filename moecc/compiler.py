@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from moecc.frontend.trace import build_graph
+from moecc.frontend.build import build_graph
 from moecc.ir import Graph
-from moecc.pass_infra import DumpIR, PassContext, PassManager, PrintAfter, record_trace
+from moecc.ir.pass_infra import DumpIR, Instrument, PassContext, PassManager, PrintAfter, record_trace
+from moecc.options import CompileOptions
 from moecc.passes import PASS_NAMES, default_pipeline
 
 
@@ -31,14 +33,46 @@ def compile_model(
 
     verify=None reads MOECC_VERIFY (the test suite sets it to 1, so every compile in tests
     checks the graph after every pass)."""
+    options = CompileOptions(gpu_mem=gpu_mem, host_mem=host_mem, prompt_tokens=prompt_tokens,
+                             output_tokens=output_tokens, max_batch=max_batch,
+                             hardware=None if hardware is None else str(hardware))
+    final = compile_graph(model_dir, options, instruments=instruments_for(dump_dir, dump_formats, print_after),
+                          verify=verify)
+    return final.attrs["plan"], final
+
+
+def compile_graph(model_dir: str | os.PathLike, options: CompileOptions = CompileOptions(), *,
+                  stop_after: str | None = None, instruments: list[Instrument] | None = None,
+                  verify: bool | None = None) -> Graph:
+    """The frontend's graph of `model_dir` through the default pipeline, or through the pass
+    named `stop_after` (TVM/Triton style: e.g. "insert_transfers" for the graph the planner
+    reads). `options.checkpoint` is set from the frontend. verify=None reads MOECC_VERIFY."""
     if verify is None:
         verify = os.environ.get("MOECC_VERIFY", "") not in ("", "0")
+    start = time.perf_counter()
+    graph, ckpt = build_graph(model_dir)
+    ctx = PassContext(options=dataclasses.replace(options, checkpoint=ckpt), instruments=list(instruments or []),
+                      verify=verify)
+    if verify:
+        from moecc.errors import FrontendError
+        from moecc.ir.verify import verify_graph
+
+        problems = verify_graph(graph)
+        if problems:
+            raise FrontendError(None, "graph", "traced graph is not well-formed:\n  " + "\n  ".join(problems))
+    record_trace(graph, ctx, time.perf_counter() - start)
+    return PassManager(default_pipeline())(graph, ctx, stop_after=stop_after)
+
+
+def instruments_for(dump_dir: str | os.PathLike | None, dump_formats: tuple[str, ...],
+                    print_after: set[str] | None) -> list[Instrument]:
+    """The --dump-dir and --print-after instruments; ValueError naming an unknown pass or format."""
     if print_after:
         unknown = set(print_after) - set(PASS_NAMES) - {"all", "trace"}
         if unknown:
             raise ValueError(f"--print-after: unknown pass {sorted(unknown)}; passes: trace, "
                              f"{', '.join(PASS_NAMES)}, or all")
-    instruments: list[Any] = []
+    instruments: list[Instrument] = []
     if dump_dir is not None:
         bad = set(dump_formats) - {"txt", "onnx", "svg"}
         if bad:
@@ -46,22 +80,4 @@ def compile_model(
         instruments.append(DumpIR(Path(dump_dir), formats=tuple(dump_formats)))
     if print_after:
         instruments.append(PrintAfter(set(print_after)))
-    start = time.perf_counter()
-    graph, ckpt = build_graph(model_dir)
-    ctx = PassContext(
-        options={"gpu_mem": gpu_mem, "host_mem": host_mem, "prompt_tokens": prompt_tokens,
-                 "output_tokens": output_tokens, "max_batch": max_batch, "checkpoint": ckpt,
-                 "hardware": None if hardware is None else str(hardware)},
-        instruments=instruments,
-        verify=verify,
-    )
-    if verify:
-        from moecc.errors import FrontendError
-        from moecc.verify import verify_graph
-
-        problems = verify_graph(graph)
-        if problems:
-            raise FrontendError(None, "graph", "traced graph is not well-formed:\n  " + "\n  ".join(problems))
-    record_trace(graph, ctx, time.perf_counter() - start)
-    final = PassManager(default_pipeline())(graph, ctx)
-    return final.attrs["plan"], final
+    return instruments

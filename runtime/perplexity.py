@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moecc_runtime.engine import Engine, Sequence
+from moecc_runtime.engine import Engine
+from moecc_runtime.scheduler.scheduler import reserve_step
+from moecc_runtime.scheduler.sequence import Sequence
 
 DEFAULT_WINDOW = 256
 
@@ -47,14 +49,16 @@ def windows(ids: list[int], window: int = DEFAULT_WINDOW) -> list[list[int]]:
 
 def score(engine: Engine, ids: list[int], window: int = DEFAULT_WINDOW) -> Perplexity:
     """Run every window of `ids` through the engine as one prompt (all rows to the head) and
-    sum the next-token NLL of its fp32 logits. Needs a plan whose KV pool holds one window."""
+    sum the next-token NLL of its fp32 logits. Needs a plan whose KV pool holds one window
+    (KVCacheFull otherwise)."""
     nll, count, cut = 0.0, 0, windows(ids, window)
     for i, w in enumerate(cut):
         seq = Sequence(sid=-1 - i, tokens=list(w[:-1]), prompt_len=len(w) - 1, max_new=0)
         try:
-            _, logits = engine.step([(seq, len(w) - 1)], all_rows=True)  # [T, V] fp32
+            plan = reserve_step(engine.blocks, [(seq, len(w) - 1)], all_rows=True)
+            logits = engine.worker.execute(plan).logits  # [T, V] fp32
         finally:
-            engine.release(seq)
+            engine.blocks.release(seq.sid)
         target = torch.tensor(w[1:], dtype=torch.long, device=logits.device)
         nll += F.cross_entropy(logits, target, reduction="sum").item()
         count += len(w) - 1
@@ -72,7 +76,7 @@ def plan_perplexity(plan_path: str | Path, text_path: str | Path, *, window: int
                     model_dir: str | Path | None = None, device: str | None = None) -> Perplexity:
     """The perplexity of the plan's model (its checkpoint checked as `exec` checks it) on the
     UTF-8 text file `text_path`."""
-    from moecc_runtime.exec import pick_device
+    from moecc_runtime.job.exec import pick_device
     from moecc_runtime.plan import check_checkpoint, load_plan
 
     plan = load_plan(plan_path)

@@ -18,7 +18,6 @@ Top-level keys (schema version 2; 2 added `arena`):
 from __future__ import annotations
 
 import hashlib
-import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -105,15 +104,3 @@ def describe(plan: dict[str, Any]) -> str:
     return (f"{plan['model']['architecture']} plan v{plan['version']}: decode B={b['B']} "
             f"b_a={b['b_a']} b_e={b['b_e']}, {len(plan['weights'])} weight slices")
 
-
-def to_json(plan: dict[str, Any]) -> str:
-    """The plan without tensors, as JSON (for inspection)."""
-    def clean(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.tolist()
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [clean(v) for v in x]
-        return x
-    return json.dumps(clean(plan), indent=1)

@@ -1,11 +1,39 @@
-"""Next-token choice: greedy, or sampling with temperature, top-k and top-p from a
-per-request generator (seeded, so a seeded request is reproducible whatever else runs)."""
+"""The sampler: next tokens for a whole step's logits, greedy, or sampling with temperature,
+top-k and top-p from a per-request generator (seeded, so a seeded request is reproducible
+whatever else runs).
+
+Legend: S = sequences choosing a token this step, V = vocabulary.
+"""
 
 from __future__ import annotations
 
 import zlib
+from typing import Protocol, Sequence
 
 import torch
+
+
+class SamplingParams(Protocol):
+    """What the sampler reads of a request (scheduler.sequence.GenRequest has these)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> list[int]:
+    """logits [S, V] -> one token per row: greedy rows in one argmax, the rest sampled per
+    row with its request's parameters and generator."""
+    greedy = [i for i, p in enumerate(params) if p.temperature <= 0.0]
+    out = [0] * len(params)
+    if greedy:
+        for i, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
+            out[i] = t
+    for i, p in enumerate(params):
+        if p.temperature > 0.0:
+            out[i] = next_token(logits[i], p.temperature, p.top_p, p.top_k, generators[i])
+    return out
 
 
 def request_generator(seed: int | None, custom_id: str) -> torch.Generator:

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from moecc.calibrate import affine, fit_mode, kind_seconds, schedule_kinds, split_overhead
+from moecc.measure.calibrate import affine, fit_mode, kind_seconds, schedule_kinds, split_overhead
 from moecc.errors import HardwareError
-from moecc.hardware import HardwareProfile, resolve_hardware
+from moecc.planner.hardware import HardwareProfile, resolve_hardware
 from moecc.planner.schedule import Knobs, StepShape, build_schedule
 
 from tests.planner.test_solve import cost
@@ -137,7 +137,7 @@ def test_profile_calibrates_on_a_real_job_and_compile_uses_it(tmp_path, checkpoi
     assert plans["calibrated"]["predicted"]["decode_step_s"] != plans["raw"]["predicted"]["decode_step_s"]
     assert plans["calibrated"]["predicted"]["calibrated_on"] == model.name
     assert plans["raw"]["predicted"]["calibrated_on"] is None
-    from moecc.explain import explain, format_explain
+    from moecc.views.explain import explain, format_explain
 
     assert f"calibrated on a job of {model.name}" in format_explain(explain(plans["calibrated"]))
 

@@ -282,7 +282,7 @@ def test_seeded_request_alone_in_process_matches_and_seed_matters(env: Env, runs
                                                                    tmp_path: Path) -> None:
     import io
 
-    from moecc_runtime.exec import run_job
+    from moecc_runtime.job.exec import run_job
 
     _, first = result(runs, "compile_then_exec")
     assert first.returncode == 0, first.stderr
@@ -465,7 +465,7 @@ def test_token_id_prompts_and_stats_file(env: Env, runs: dict[str, Future], tmp_
     alone naming the line; stats_path gets the summary and one record per engine step."""
     import io
 
-    from moecc_runtime.exec import run_job
+    from moecc_runtime.job.exec import run_job
     from moecc_runtime.tokenizer import Tokenizer
 
     _, first = result(runs, "compile_then_exec")

@@ -71,8 +71,8 @@ def test_v3_plan_solves_in_seconds_and_fits_the_budget(v3):
 def test_tiny_v3_streams_token_identical_with_a_latent_kv_pool(checkpoints, hf_models):
     """MLA decode reads only the cached latent (absorbed form, never expanding K/V heads);
     streamed through an arena below the weights' size, greedy output equals transformers'."""
-    from moecc_runtime.engine import Engine
-    from moecc_runtime.generate import GenRequest, generate
+    from moecc_runtime.engine import Engine, generate
+    from moecc_runtime.scheduler.sequence import GenRequest
 
     from test_equivalence import _prompts, _reference
 
@@ -83,8 +83,8 @@ def test_tiny_v3_streams_token_identical_with_a_latent_kv_pool(checkpoints, hf_m
     eng = Engine(plan, path, "cpu", expert_chunk=3, attn_micro_batch=2)
     cfg = model.config
     L, latent = cfg.num_hidden_layers, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    assert eng.kv.k.shape[1] == 1 and eng.kv.k.shape[-1] == latent and eng.kv.v.shape[-1] == 0
-    assert eng.kv.bytes_per_token == L * latent * 4 == g.info.kv_bytes_per_token
+    assert eng.worker.kv.k.shape[1] == 1 and eng.worker.kv.k.shape[-1] == latent and eng.worker.kv.v.shape[-1] == 0
+    assert eng.worker.kv.bytes_per_token == L * latent * 4 == g.info.kv_bytes_per_token
     reqs = [GenRequest(str(i), tok(p)["input_ids"], 6) for i, p in enumerate(_prompts(6))]
     got: dict = {}
     try:

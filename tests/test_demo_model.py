@@ -90,7 +90,7 @@ def test_perplexity_cli(demo_plan, tmp_path):
 
 
 def test_greedy_continuations_match_transformers(demo_plan, hf_model, tmp_path):
-    from moecc_runtime.exec import run_job
+    from moecc_runtime.job.exec import run_job
 
     prompts = ['The "for" statement is used to', "A class definition defines"]
     lines = [json.dumps({"custom_id": f"p{i}", "prompt": p, "max_tokens": 24}) for i, p in enumerate(prompts)]

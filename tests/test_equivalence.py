@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from moecc.compiler import compile_model
-from moecc_runtime.engine import Engine
-from moecc_runtime.generate import GenRequest, generate
+from moecc_runtime.engine import Engine, generate
+from moecc_runtime.scheduler.sequence import GenRequest
 
 NEW_TOKENS = 10
 CASES = [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen3_moe", "per_expert"), ("qwen3_moe", "fused"),

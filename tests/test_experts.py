@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecc_runtime import kernels
+from moecc_runtime.worker import kernels
 
 H, I, E, K = 8, 5, 6, 2
 UNCHOSEN = (1, 4)  # experts no token picks in the random cases

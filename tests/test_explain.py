@@ -86,7 +86,7 @@ def test_compile_takes_the_workload_shape_from_a_prompts_file(checkpoints, tmp_p
 def test_compare_timelines_sums_only_the_layers_a_cut_timeline_kept():
     """A deep model's stored timeline keeps a few layers: the measured jobs of the other
     layers are left out, the stem and head always count, and no idle row is made up."""
-    from moecc.explain import compare_timelines
+    from moecc.views.explain import compare_timelines
 
     pred = {"decode": {"step_s": 1.0, "layers": 3, "layers_kept": [0, 2],
                        "jobs": [["stem", "compute", "stem", None, 0, 0.01], ["L0.e", "compute", "gemm", 0, 0, 0.2],

@@ -13,7 +13,7 @@ import torch
 from moecc.compiler import compile_model
 from moecc.errors import FrontendError
 from moecc.frontend.roles import classify
-from moecc.frontend.trace import build_graph
+from moecc.frontend.build import build_graph
 
 ROOT = Path(__file__).parents[1]
 

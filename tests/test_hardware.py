@@ -1,5 +1,5 @@
-"""Tests for moecc.hardware (profiles, presets, rate models, resolve_hardware) and
-`moecc profile` (moecc.profile.measure through the CLI, quick, on this machine)."""
+"""Tests for moecc.planner.hardware (profiles, presets, rate models, resolve_hardware) and
+`moecc profile` (moecc.measure.profile.measure through the CLI, quick, on this machine)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import pytest
 
 from moecc.errors import HardwareError, MoeccError
-from moecc.hardware import (
+from moecc.planner.hardware import (
     DTYPES,
     PRESETS,
     HardwareProfile,
@@ -363,7 +363,7 @@ def test_elementwise_glue_is_counted_per_module():
 def test_speed_canary_times_the_runtime_expert_mlp_and_scales_with_its_shape():
     """The benchmark's canary: a positive, repeatable time per expert call, longer for a
     bigger expert (it times real work, not a constant)."""
-    from moecc.profile import SpeedCanary
+    from moecc.measure.profile import SpeedCanary
 
     small, big = SpeedCanary(64, 128, rows=16, pool_bytes=1 << 20), SpeedCanary(256, 1024, rows=16, pool_bytes=1 << 22)
     s, b = small.seconds(0.05), big.seconds(0.05)

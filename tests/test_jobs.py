@@ -18,9 +18,9 @@ import torch
 
 from moecc.compiler import compile_model
 from moecc.testing.checkpoints import write_checkpoint
-from moecc_runtime.exec import run_job
+from moecc_runtime.job.exec import run_job
+from moecc_runtime.job.results import repair_torn_tail
 from moecc_runtime.plan import PlanError, load_plan, save_plan
-from moecc_runtime.results import repair_torn_tail
 
 WORDS = "the kettle clicked off and a pulley is a wheel on an axle that turns with rope".split()
 
@@ -279,7 +279,7 @@ def test_plan_from_another_version_or_checkpoint_is_refused(job, tmp_path):
 def test_progress_eta_starts_from_the_prediction_and_follows_measurement(monkeypatch):
     import io
 
-    from moecc_runtime import progress as P
+    from moecc_runtime.job import progress as P
 
     now = [100.0]
     monkeypatch.setattr(P.time, "monotonic", lambda: now[0])

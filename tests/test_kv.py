@@ -1,5 +1,6 @@
-"""The paged host KV cache (moecc_runtime.kv): block allocation, growth, release and LIFO
-reuse, all-or-nothing exhaustion, addressing, and a write/gather round trip.
+"""The paged host KV cache: block allocation, growth, release and LIFO reuse, all-or-nothing
+exhaustion and addressing (moecc_runtime.scheduler.blocks), and a write/gather round trip
+through the pool (moecc_runtime.memory.kv).
 
 Legend: L = layers, Hkv = key/value heads, NB = blocks in the pool, bs = block size,
 D = head dim, n = positions written in one call."""
@@ -11,16 +12,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moecc_runtime.kv import KVCacheFull, KVUsage, PagedKVCache
+from moecc_runtime.memory.kv import KVPool
+from moecc_runtime.scheduler.blocks import BlockAllocator, KVCacheFull, KVUsage
 
 L, HKV, D = 3, 2, 4
 
 
-def make(num_blocks: int = 8, block_size: int = 4, dtype: torch.dtype = torch.float32) -> PagedKVCache:
-    return PagedKVCache(L, HKV, D, block_size=block_size, num_blocks=num_blocks, dtype=dtype)
+def make(num_blocks: int = 8, block_size: int = 4) -> BlockAllocator:
+    return BlockAllocator(num_blocks, block_size)
 
 
-def owners(kv: PagedKVCache) -> dict[int, int]:
+def pool(num_blocks: int = 8, block_size: int = 4, dtype: torch.dtype = torch.float32) -> KVPool:
+    return KVPool(L, HKV, D, block_size=block_size, num_blocks=num_blocks, dtype=dtype)
+
+
+def owners(kv: BlockAllocator) -> dict[int, int]:
     """block -> the sequence holding it; fails if a block is held twice or is also free."""
     held: dict[int, int] = {}
     for sid, table in kv.tables.items():
@@ -38,20 +44,30 @@ def owners(kv: PagedKVCache) -> dict[int, int]:
 
 
 def test_pool_shape_and_sizes():
-    kv = make(num_blocks=5, block_size=3, dtype=torch.bfloat16)
+    kv = pool(num_blocks=5, block_size=3, dtype=torch.bfloat16)
     assert kv.k.shape == kv.v.shape == (L, HKV, 5, 3, D)  # [L, Hkv, NB, bs, D]
     assert kv.k.dtype == torch.bfloat16
     assert kv.bytes_per_token == 2 * L * HKV * D * 2  # K and V, bf16
     assert kv.bytes_per_block == 3 * kv.bytes_per_token
-    assert kv.free_blocks == 5
-    u = kv.usage()
-    assert (u.blocks_used, u.blocks_total, u.tokens_live, u.allocated_bytes, u.live_bytes) == (0, 5, 0, 0, 0)
+    blocks = make(num_blocks=5, block_size=3)
+    assert blocks.free_blocks == 5
+    assert blocks.usage() == KVUsage(0, 5, 0)
 
 
 @pytest.mark.parametrize("bs,nb", [(0, 4), (4, 0), (-1, 1)])
 def test_rejects_empty_pool(bs, nb):
     with pytest.raises(ValueError, match="block_size >= 1 and num_blocks >= 1"):
-        PagedKVCache(1, 1, 1, block_size=bs, num_blocks=nb, dtype=torch.float32)
+        BlockAllocator(nb, bs)
+
+
+def test_zero_clears_the_listed_blocks_in_every_layer():
+    kv = pool(num_blocks=4, block_size=2)
+    kv.k.fill_(float("nan"))
+    kv.v.fill_(float("nan"))
+    kv.zero([2, 0])
+    for t in (kv.k, kv.v):  # [L, Hkv, NB, bs, D]
+        assert (t[:, :, [0, 2]] == 0).all() and t[:, :, [1, 3]].isnan().all()
+    kv.zero([])  # nothing to do
 
 
 # --------------------------------------------------------------------------- allocation
@@ -138,7 +154,7 @@ def test_at_most_one_partly_filled_block_per_sequence():
         u = kv.usage()
         live = [s for s in lengths if lengths[s] > 0]
         assert u.tokens_live == sum(lengths.values())
-        assert 0 <= u.allocated_bytes - u.live_bytes < kv.bytes_per_block * len(live)
+        assert 0 <= u.blocks_used * 4 - u.tokens_live < 4 * len(live)
         for s in live:
             assert 0 <= len(kv.tables[s]) * 4 - lengths[s] < 4
         owners(kv)
@@ -157,7 +173,7 @@ def test_release_returns_blocks():
     assert kv.usage().tokens_live == 4 and kv.usage().blocks_used == 1
     kv.release(1)
     assert kv.free_blocks == 8 and kv.tables == {} and kv.lengths == {}
-    assert kv.usage() == KVUsage(0, 8, 0, kv.bytes_per_block, kv.bytes_per_token)
+    assert kv.usage() == KVUsage(0, 8, 0)
     owners(kv)
 
 
@@ -273,20 +289,20 @@ def test_write_gather_round_trip():
     of several sequences in one call) read back at the right place from gathered blocks, per
     layer, with K and V kept apart."""
     bs = 4
-    kv = make(num_blocks=16, block_size=bs)
+    blocks, kv = make(num_blocks=16, block_size=bs), pool(num_blocks=16, block_size=bs)
     lengths = {0: 0, 1: 0, 2: 0}
     # steps of (sid, new positions): prefill chunks and single-token decodes, interleaved
     steps = [[(0, 6), (1, 3)], [(2, 9), (0, 1)], [(1, 1), (0, 1), (2, 1)], [(1, 7)], [(0, 5), (2, 1)]]
-    kv.reserve(99, 4)  # a bystander holding a block the others must not touch
+    blocks.reserve(99, 4)  # a bystander holding a block the others must not touch
     for layer in range(L):
-        kv.write(layer, torch.tensor(kv.slots(99, 0, 4)[0]), torch.arange(4), *_values(99, layer, [0, 1, 2, 3]))
+        kv.write(layer, torch.tensor(blocks.slots(99, 0, 4)[0]), torch.arange(4), *_values(99, layer, [0, 1, 2, 3]))
     for step in steps:
-        blocks, offsets, ks, vs = [], [], {l: [] for l in range(L)}, {l: [] for l in range(L)}
+        slots, offsets, ks, vs = [], [], {l: [] for l in range(L)}, {l: [] for l in range(L)}
         for sid, n in step:
             start = lengths[sid]
-            kv.reserve(sid, start + n)
-            b, o = kv.slots(sid, start, n)
-            blocks += b
+            blocks.reserve(sid, start + n)
+            b, o = blocks.slots(sid, start, n)
+            slots += b
             offsets += o
             for layer in range(L):
                 k, v = _values(sid, layer, list(range(start, start + n)))
@@ -294,14 +310,15 @@ def test_write_gather_round_trip():
                 vs[layer].append(v)
             lengths[sid] += n
         for layer in range(L):  # one write per layer for the whole step, like the engine
-            kv.write(layer, torch.tensor(blocks), torch.tensor(offsets), torch.cat(ks[layer]), torch.cat(vs[layer]))
-    assert len({b for t in kv.tables.values() for b in t}) == sum(len(t) for t in kv.tables.values())
-    assert any(t != list(range(t[0], t[0] + len(t))) for t in kv.tables.values()), "want non-contiguous tables"
+            kv.write(layer, torch.tensor(slots), torch.tensor(offsets), torch.cat(ks[layer]), torch.cat(vs[layer]))
+    tables = blocks.tables
+    assert len({b for t in tables.values() for b in t}) == sum(len(t) for t in tables.values())
+    assert any(t != list(range(t[0], t[0] + len(t))) for t in tables.values()), "want non-contiguous tables"
 
     for layer in range(L):
         # one sequence at a time: its blocks in table order read as one [Hkv, positions, D] run
         for sid, n in [*lengths.items(), (99, 4)]:
-            table = torch.tensor(kv.tables[sid])
+            table = torch.tensor(tables[sid])
             out_k = torch.empty(HKV, len(table), bs, D)  # [Hkv, nb, bs, D]
             out_v = torch.empty_like(out_k)
             kv.gather(layer, table, out_k, out_v)
@@ -310,13 +327,13 @@ def test_write_gather_round_trip():
             assert torch.equal(out_v.reshape(HKV, -1, D)[:, :n], want_v.transpose(0, 1)), (layer, sid)
         # all sequences in one gather (a micro-batch), in the order listed
         sids = [2, 0, 1]
-        allb = torch.tensor([b for s in sids for b in kv.tables[s]])
+        allb = torch.tensor([b for s in sids for b in tables[s]])
         out_k = torch.empty(HKV, len(allb), bs, D)
         out_v = torch.empty_like(out_k)
         kv.gather(layer, allb, out_k, out_v)
         first = 0
         for s in sids:
-            nb, n = len(kv.tables[s]), lengths[s]
+            nb, n = len(tables[s]), lengths[s]
             want_k, want_v = _values(s, layer, list(range(n)))
             got_k = out_k[:, first:first + nb].reshape(HKV, -1, D)[:, :n]  # [Hkv, n, D]
             got_v = out_v[:, first:first + nb].reshape(HKV, -1, D)[:, :n]
@@ -325,8 +342,7 @@ def test_write_gather_round_trip():
 
 
 def test_write_casts_to_pool_dtype():
-    kv = make(num_blocks=2, block_size=2, dtype=torch.bfloat16)
-    kv.reserve(0, 2)
+    kv = pool(num_blocks=2, block_size=2, dtype=torch.bfloat16)
     k = torch.full((2, HKV, D), 1.5)  # [n, Hkv, D] fp32
     kv.write(1, torch.tensor([0, 0]), torch.tensor([0, 1]), k, -k)
     out_k = torch.empty(HKV, 1, 2, D, dtype=torch.bfloat16)
@@ -337,12 +353,12 @@ def test_write_casts_to_pool_dtype():
 
 def test_reused_block_is_overwritten_not_mixed():
     """A block freed by one sequence and handed to another reads back the new owner's values."""
-    kv = make(num_blocks=2, block_size=4)
-    kv.reserve(0, 4)
+    blocks, kv = make(num_blocks=2, block_size=4), pool(num_blocks=2, block_size=4)
+    blocks.reserve(0, 4)
     kv.write(0, torch.tensor([0] * 4), torch.arange(4), *_values(0, 0, [0, 1, 2, 3]))
-    kv.release(0)
-    kv.reserve(1, 4)
-    assert kv.tables[1] == [0]
+    blocks.release(0)
+    assert blocks.reserve(1, 4) == [0]
+    assert blocks.tables[1] == [0]
     kv.write(0, torch.tensor([0] * 4), torch.arange(4), *_values(1, 0, [0, 1, 2, 3]))
     out_k, out_v = torch.empty(HKV, 1, 4, D), torch.empty(HKV, 1, 4, D)
     kv.gather(0, torch.tensor([0]), out_k, out_v)
@@ -397,7 +413,7 @@ def test_random_reserve_release_keeps_invariants(num_blocks, bs, seq):
         for s, length in model.items():
             assert kv.lengths[s] == length
             assert len(kv.tables[s]) == -(-length // bs)
-        assert u.allocated_bytes - u.live_bytes < kv.bytes_per_block * max(1, len(model))
+        assert u.blocks_used * bs - u.tokens_live < bs * max(1, len(model))
 
 
 def test_failed_reserve_after_zero_reservation_keeps_state():

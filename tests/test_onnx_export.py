@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from moecc.compiler import compile_model
-from moecc.onnx_export import DOMAIN, graph_to_onnx, onnx_roles
+from moecc.views.onnx_export import DOMAIN, graph_to_onnx, onnx_roles
 
 
 def test_onnx_dumps_after_every_pass_check_and_round_trip(checkpoints, tmp_path):

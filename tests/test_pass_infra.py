@@ -9,7 +9,7 @@ import pytest
 
 from moecc.errors import PassError
 from moecc.ir import Graph, Node
-from moecc.pass_infra import DumpIR, Pass, PassContext, PassManager, PassResult, PrintAfter
+from moecc.ir.pass_infra import DumpIR, Pass, PassContext, PassManager, PassResult, PrintAfter
 from moecc.passes import PASS_NAMES, default_pipeline
 
 from tests.passes.util import context
@@ -84,3 +84,22 @@ def test_print_after_prints_only_the_named_pass():
     text = out.getvalue()
     assert text.count("made by pass") == 1 and "made by pass insert_transfers" in text
     assert "fetch_experts" in text
+
+
+def test_stop_after_runs_the_pipeline_through_the_named_pass():
+    graph, ctx = context()
+    out = PassManager(default_pipeline())(graph, ctx, stop_after="insert_transfers")
+    assert "transfers" in out.properties and "batch_sizes" not in out.properties
+    assert list(ctx.timings) == ["split_modules", "insert_host_buffers", "insert_transfers"]
+    with pytest.raises(ValueError, match=r"stop_after: unknown pass 'nope'; passes: split_modules"):
+        PassManager(default_pipeline())(graph, ctx, stop_after="nope")
+
+
+def test_compile_graph_stops_after_a_pass_with_typed_options():
+    from moecc.compiler import compile_graph
+    from moecc.options import CompileOptions
+
+    from tests.passes.util import DATA
+
+    g = compile_graph(DATA / "tiny-mixtral", CompileOptions(max_batch=8), stop_after="solve_batch_sizes", verify=True)
+    assert g.attrs["batch"]["decode"]["B"] <= 8 and "plan" not in g.attrs

@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from moecc.cli import app
 from moecc.compiler import compile_model
-from moecc.graph_svg import STYLES, graph_to_dot, graph_to_svg
+from moecc.views.graph_svg import STYLES, graph_to_dot, graph_to_svg
 from moecc.planner.schedule import to_data
-from moecc.timeline_svg import TimelineError, bars, draw_timeline
+from moecc.views.timeline_svg import TimelineError, bars, draw_timeline
 from moecc_runtime.plan import save_plan
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -109,7 +109,7 @@ def test_predicted_timeline_is_the_planners_dag_and_adds_up(checkpoints, tmp_pat
 
 
 def test_timeline_of_a_large_model_keeps_a_few_layers(checkpoints):
-    from moecc.hardware import PRESETS
+    from moecc.planner.hardware import PRESETS
     from moecc.planner.costs import model_cost
     from moecc.planner.schedule import Knobs, StepShape, build_schedule
 
@@ -147,7 +147,7 @@ def test_measured_timeline_from_exec_stats_drawn_under_the_predicted(checkpoints
         assert busy <= t["step_s"] * 1.001  # one compute thread: its jobs do not overlap
     assert tl["decode"]["prefill_tokens"] == 0
     assert tl["prefill"]["prefill_tokens"] > tl["prefill"]["tokens"] / 2
-    # the step's shape, as the planner's StepShape reads it (moecc/calibrate.py): a decode row
+    # the step's shape, as the planner's StepShape reads it (moecc/measure/calibrate.py): a decode row
     # attends to its whole sequence; a prefill row on average to half its step's prompt and more
     assert tl["decode"]["context"] > tl["decode"]["tokens"] / tl["decode"]["sequences"]
     assert 0 < tl["prefill"]["context"] and 0 < tl["prefill"]["head_rows"] <= tl["prefill"]["sequences"]

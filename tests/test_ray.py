@@ -14,8 +14,8 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 
 from moecc.compiler import compile_model  # noqa: E402
 from moecc.testing.checkpoints import write_checkpoint  # noqa: E402
-from moecc_runtime.distributed import INSTALL_HINT, RayOptions  # noqa: E402
-from moecc_runtime.exec import run_job  # noqa: E402
+from moecc_runtime.job.distributed import INSTALL_HINT, RayOptions  # noqa: E402
+from moecc_runtime.job.exec import run_job  # noqa: E402
 from moecc_runtime.plan import save_plan  # noqa: E402
 
 WORDS = "a pulley is a wheel on an axle that turns with a rope and the kettle clicked off".split()
@@ -98,7 +98,7 @@ def test_resume_across_workers(cluster, job, tmp_path):
 
 
 def test_ray_data_callable(cluster, job):
-    from moecc_runtime.ray_data import MoeccPredictor
+    from moecc_runtime.job.ray_data import MoeccPredictor
 
     plan, prompts, ref = job
     rows = [json.loads(line) for line in prompts.read_text().splitlines()][:6] + [{"custom_id": "e", "prompt": ""}]

@@ -42,7 +42,7 @@ def test_real_config_compiles_and_counts_match(name):
 def test_gpt_oss_layers_alternate_sliding_and_full_attention(name):
     """layer_types decides each layer's window (128 on sliding layers, none on full ones);
     every attention carries its sinks and every router its bias."""
-    from moecc.frontend.trace import build_graph
+    from moecc.frontend.build import build_graph
 
     cfg = json.loads((CONFIGS / name / "config.json").read_text())
     g, _ = build_graph(CONFIGS / name)

@@ -9,13 +9,16 @@ as the last token when a sequence stops on it."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from moecc.compiler import compile_model
-from moecc_runtime.engine import Engine
-from moecc_runtime.generate import GenRequest, GenResult, generate
-from moecc_runtime.kv import KVCacheFull
+from moecc_runtime.engine import Engine, generate
+from moecc_runtime.scheduler.blocks import KVCacheFull
+from moecc_runtime.scheduler.scheduler import Scheduler
+from moecc_runtime.scheduler.sequence import GenRequest, GenResult
 
 from test_equivalence import _prompts, _reference, hf_models  # noqa: F401  (hf_models is a fixture)
 
@@ -76,7 +79,7 @@ def requests(prompts: list[list[int]], spec=REQUESTS) -> list[GenRequest]:
 
 
 class Run:
-    """One generate() over a fresh engine, recording each step's work and every KVCacheFull."""
+    """One generate() over a fresh engine, recording each step's work and every preemption."""
 
     def __init__(self, plan, path, reqs, eos, *, kv_blocks=None, block_size=None, fill=GARBAGE,
                  sizes=(3, 2), **kw):
@@ -85,35 +88,37 @@ class Run:
                                       kv_blocks=kv_blocks, block_size=block_size, record_steps=True)
         engine.info["eos_token_ids"] = [eos]
         # The pool is torch.empty: make its never-written contents deterministic (see GARBAGE)
-        engine.kv.k.fill_(fill)
-        engine.kv.v.fill_(fill)
-        self.steps: list[list[tuple[int, int, int, int]]] = []  # per step: (sid, cached, n, prompt_len)
-        self.full = 0  # KVCacheFull raised by engine.step (each one preempts or fails a sequence)
+        worker = engine.worker
+        worker.kv.k.fill_(fill)
+        worker.kv.v.fill_(fill)
+        self.steps: list[list[tuple[int, int, int]]] = []  # per step: (sid, cached, n)
+        self.full = 0  # preemptions by the scheduler (each one recomputes or fails a sequence)
         self.results: dict[str, GenResult] = {}
         self.errors: dict[str, str] = {}
-        real_step = engine.step
+        real_execute, real_preempt = worker.execute, Scheduler._preempt
 
         self.sizes: list[tuple[int, int, int]] = []  # per step: (prompt rows, b_a, b_e) it ran with
 
-        def step(work):
-            snapshot = [(s.sid, s.cached, n, s.prompt_len) for s, n in work]
-            try:
-                out = real_step(work)
-            except KVCacheFull:
-                self.full += 1
-                raise
-            self.steps.append(snapshot)
-            self.sizes.append((sum(n for s, n in work if s.cached - n < s.prompt_len), engine.b_a, engine.b_e))
+        def execute(plan):
+            out = real_execute(plan)
+            self.steps.append([(c.sid, c.start, c.n) for c in plan.seqs])
+            self.sizes.append((plan.prefill_tokens, worker.b_a, worker.b_e))
             return out
 
-        engine.step = step
+        def preempt(sched, short):
+            self.full += 1
+            return real_preempt(sched, short)
+
+        worker.execute = execute
         try:
-            generate(engine, reqs, lambda r: self.results.__setitem__(r.key, r), max_batch=LIMIT,
-                     record_logits=True, on_error=lambda r, m: self.errors.__setitem__(r.key, m), **kw)
+            with mock.patch.object(Scheduler, "_preempt", preempt):
+                generate(engine, reqs, lambda r: self.results.__setitem__(r.key, r), max_batch=LIMIT,
+                         record_logits=True, on_error=lambda r, m: self.errors.__setitem__(r.key, m), **kw)
         finally:
             engine.close()
-        kv = engine.kv
-        assert kv.free_blocks == kv.num_blocks and kv.tables == {} and kv.lengths == {}, "KV blocks leaked"
+        blocks = engine.blocks
+        assert blocks.free_blocks == blocks.num_blocks and blocks.tables == {} and blocks.lengths == {}, \
+            "KV blocks leaked"
 
 
 def check_against_transformers(run: Run, reqs: list[GenRequest], reference, eos: int) -> None:
@@ -166,7 +171,7 @@ def test_prefill_steps_run_with_the_plans_prefill_sizes(plan, mixtral, reference
     reqs = requests(prompts)
     run = Run(plan, path, reqs, eos, kv_blocks=64, sizes=None)
     check_against_transformers(run, reqs, reference, eos)
-    total = [sum(n for _, _, n, _ in w) for w in run.steps]
+    total = [sum(n for _, _, n in w) for w in run.steps]
     phases = {(2 * pre > t, b_a, b_e) for (pre, b_a, b_e), t in zip(run.sizes, total)}
     assert phases == {(True, 1, 5), (False, 2, 3)}, phases
 
@@ -184,13 +189,13 @@ def test_tiny_pool_chunked_prefill_and_preemption(plan, mixtral, reference, eos)
     check_against_transformers(run, reqs, reference, eos)
 
     assert run.full > 0, "the tiny pool must force preemption"
-    cont = [(sid, c, n) for w in run.steps for sid, c, n, p in w if n > 1 and c > 0]
+    cont = [(sid, c, n) for w in run.steps for sid, c, n in w if n > 1 and c > 0]
     assert cont, "some prompt must be prefilled over several steps"
     starts: dict[int, int] = {}
     recomputed = set()
     for w in run.steps:
-        assert sum(n for sid, c, n, p in w if n > 1) <= TINY_PREFILL, "prefill budget exceeded"
-        for sid, c, n, p in w:
+        assert sum(n for sid, c, n in w if n > 1) <= TINY_PREFILL, "prefill budget exceeded"
+        for sid, c, n in w:
             if c == 0:
                 starts[sid] = starts.get(sid, 0) + 1
                 if starts[sid] > 1:

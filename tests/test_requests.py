@@ -1,4 +1,4 @@
-"""Tests for moecc_runtime.requests (JSONL request files for `moecc exec`)."""
+"""Tests for moecc_runtime.job.requests (JSONL request files for `moecc exec`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moecc_runtime import requests as requests_module
-from moecc_runtime.requests import (
+from moecc_runtime.job import requests as requests_module
+from moecc_runtime.job.requests import (
     KNOWN_FIELDS,
     Request,
     RequestError,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from moecc_runtime import kernels
+from moecc_runtime.worker import kernels
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -19,13 +19,14 @@ RUNTIME_DIR = REPO_ROOT / "runtime"
 FORBIDDEN = ("moecc", "ortools", "networkx", "onnx")
 RUNTIME_MODULES = (
     "moecc_runtime",
-    "moecc_runtime.exec",
+    "moecc_runtime.job.exec",
     "moecc_runtime.engine",
-    "moecc_runtime.generate",
+    "moecc_runtime.scheduler.scheduler",
+    "moecc_runtime.worker.worker",
     "moecc_runtime.plan",
-    "moecc_runtime.weights",
+    "moecc_runtime.memory.weights",
     "moecc_runtime.tokenizer",
-    "moecc_runtime.requests",
+    "moecc_runtime.job.requests",
 )
 
 
@@ -73,7 +74,7 @@ CHILD = textwrap.dedent(
     after_import = sorted(sys.modules)
 
     # run a whole job as well, so lazy (function-level) imports would show up too
-    from moecc_runtime.exec import run_job
+    from moecc_runtime.job.exec import run_job
     out = io.StringIO()
     summary = run_job(plan_path, prompts_path, out, device="cpu", log=None)
     print(json.dumps({

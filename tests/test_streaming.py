@@ -1,4 +1,4 @@
-"""Weight and KV streaming through the device arena (runtime/arena.py, copy_engine.py,
+"""Weight and KV streaming through the device arena (runtime/memory/arena.py, copy_engine.py,
 streaming.py): plans compiled with a --gpu-mem below the model's weights stream every
 non-resident module and expert through slots, and the output stays token-identical to
 transformers; the arena never exceeds --gpu-mem; experts no token chose are never fetched;
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from moecc.compiler import compile_model
-from moecc_runtime import streaming
-from moecc_runtime.arena import ArenaError, DeviceArena
-from moecc_runtime.copy_engine import CopyEngine, CopyError
-from moecc_runtime.exec import run_job
-from moecc_runtime.generate import GenRequest
+from moecc_runtime.job.exec import run_job
+from moecc_runtime.memory import streaming
+from moecc_runtime.memory.arena import ArenaError, DeviceArena
+from moecc_runtime.memory.copy_engine import CopyEngine, CopyError
+from moecc_runtime.memory.weights import WeightError, WeightStore
 from moecc_runtime.plan import save_plan
-from moecc_runtime.weights import WeightError, WeightStore
+from moecc_runtime.scheduler.sequence import GenRequest
 
 from test_equivalence import hf_models  # noqa: F401  (a fixture)
 from test_refill import (Run, check_against_transformers, eos, mixtral, reference,  # noqa: F401  (fixtures)

@@ -7,7 +7,7 @@ manifest maps each key (<node>.<local>) to file, absolute byte offset, dtype and
 the exact slice (one expert of a fused tensor is an offset, not a copy); the fingerprint
 of the checkpoint; the solved sizes; predicted figures.
 Guarantees: plan (graph.attrs["plan"], plain data only, loadable with weights_only=True).
-Options: none (reads ctx.options["checkpoint"], the frontend's Checkpoint).
+Options: none (reads ctx.options.checkpoint, the frontend's Checkpoint).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from moecc_runtime.plan import SCHEMA, SCHEMA_VERSION
 
 from moecc.errors import PassError
 from moecc.ir import DTYPE_BYTES, Graph, WeightRef
-from moecc.pass_infra import Pass, PassContext, PassResult
+from moecc.ir.pass_infra import Pass, PassContext, PassResult
 
 PLAN_OPS = frozenset({"embed", "rope", "rmsnorm", "attention", "router", "experts", "mlp", "linear", "add",
                       "mul", "sigmoid", "lm_head", "host_buffer", "fetch_weights", "fetch_experts",
@@ -35,9 +35,9 @@ class EmitPlan(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         g = graph.copy()
-        ckpt = ctx.option("checkpoint")
+        ckpt = ctx.options.checkpoint
         if ckpt is None:
-            raise PassError(self.name, "ctx.options['checkpoint'] is not set (the frontend's Checkpoint)")
+            raise PassError(self.name, "ctx.options.checkpoint is not set (the frontend's Checkpoint)")
         manifest: dict[str, dict[str, Any]] = {}
         schedule: list[dict[str, Any]] = []
         for n in g.nodes:

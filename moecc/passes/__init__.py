@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from moecc.pass_infra import Pass
+from moecc.ir.pass_infra import Pass
 
 
 def default_pipeline() -> list[Pass]:

@@ -11,7 +11,7 @@ Options: none.
 from __future__ import annotations
 
 from moecc.ir import DTYPE_BYTES, TRANSFER_OPS, Graph, Node
-from moecc.pass_infra import Pass, PassContext, PassResult
+from moecc.ir.pass_infra import Pass, PassContext, PassResult
 
 
 class InsertHostBuffers(Pass):

@@ -13,8 +13,8 @@ Options: none.
 
 from __future__ import annotations
 
-from moecc.ir import DTYPE_BYTES, Graph, Node
-from moecc.pass_infra import Pass, PassContext, PassResult
+from moecc.ir import Graph, Node
+from moecc.ir.pass_infra import Pass, PassContext, PassResult
 
 
 class InsertTransfers(Pass):

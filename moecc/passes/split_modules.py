@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from moecc.errors import PassError
 from moecc.ir import Graph, Node
-from moecc.pass_infra import Pass, PassContext, PassResult
+from moecc.ir.pass_infra import Pass, PassContext, PassResult
 
 
 class SplitModules(Pass):

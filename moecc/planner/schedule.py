@@ -11,7 +11,7 @@ and slot reuse: with prefetch depth p, the fetch of expert i waits for the compu
 expert i - p - 1 (p = 0: no overlap of fetch and compute).
 The predicted step time is the longest path; the same networkx DAG is what timelines draw.
 
-Calibration: a profile measured on the runtime (`moecc profile --model`, moecc/calibrate.py)
+Calibration: a profile measured on the runtime (`moecc profile --model`, moecc/measure/calibrate.py)
 gives each job kind of an execution mode ("resident" or "streamed") an affine correction,
 factor x modelled seconds + fixed seconds per job, and adds the overhead no job accounts for
 (fixed plus per row) to each layer's router job; an uncalibrated profile (or any Rates
@@ -341,11 +341,6 @@ def _critical(g: nx.DiGraph, jobs: dict[str, Job]) -> Schedule:
     for j in jobs.values():
         totals[j.lane] = totals.get(j.lane, 0.0) + j.seconds
     return Schedule(g, jobs, finish[end], path[::-1], totals)
-
-
-def describe(s: Schedule) -> dict[str, Any]:
-    return {"seconds": s.seconds, "bottleneck": s.bottleneck(), "lanes": s.totals,
-            "critical_jobs": len(s.critical_path)}
 
 
 #: A stored timeline keeps every job up to this many; past it, only the first

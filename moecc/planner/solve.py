@@ -30,6 +30,8 @@ Formulation (all times in µs, memory in bytes; `x_*` one-hot choices, `r_g` res
     i.e. maximise the job's generated tokens/s; B and tps are enumerated outside (each a
     constant there, so the objective is linear) and the best pair wins.
 `enumerate_best` evaluates the same model by brute force (tests check they agree).
+Every coefficient comes from the one cost model of a step (cost_model.py: `CostModel`, at
+the step shapes of `Workload`), whose DAG predicts the chosen plan's rates.
 """
 
 from __future__ import annotations
@@ -40,16 +42,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from moecc.planner.cost_model import Choice, CostModel, Workload
 from moecc.planner.costs import ModelCost
-from moecc.planner.schedule import (Rates, StepShape, attn_layer_seconds, calibrated, experts_in_use,
-                                    ffn_layer_seconds, head_seconds, mode_of)
+from moecc.planner.schedule import Rates, experts_in_use
 
 DEVICE_DERATE = 0.9
 HOST_DERATE = 0.8
-TEMP_ALLOWANCE = 0  # the 0.9 derate leaves 10% of --gpu-mem for temporaries
 KV_BLOCK = 8
 NO_OVERLAP = 0.1  # a profile whose copies hide less than this behind compute gets no prefetch
-ALIGN = 256  # the runtime carves arena tensors at this alignment (runtime/arena.py)
+ALIGN = 256  # the runtime carves arena tensors at this alignment (runtime/memory/arena.py)
 DENSE_SLOT_PAD = 16 * ALIGN  # room for the alignment of up to 16 tensors in one module's slot
 EXPERT_SLOT_PAD = 6 * ALIGN  # gate, up, down (+ biases)
 CPU_FRESH_MAP_BYTES = 32 * 2**20
@@ -76,6 +77,14 @@ class Problem:
     @property
     def seq_len(self) -> int:
         return int(math.ceil(self.prompt_tokens + self.output_tokens))
+
+    @property
+    def workload(self) -> Workload:
+        return Workload(self.prompt_tokens, self.output_tokens)
+
+    def cost_model(self) -> CostModel:
+        """The cost model of this problem's steps (streamed exactly when copies are made)."""
+        return CostModel(self.cost, self.rates, streams=self.copies)
 
     @property
     def copies(self) -> bool:
@@ -113,16 +122,6 @@ class Problem:
 
 
 @dataclass
-class Choice:
-    B: int
-    b_a: int
-    b_e: int
-    prefill: tuple[int, int, int]  # tps, b_a, b_e
-    prefetch: int
-    resident: frozenset[str]
-
-
-@dataclass
 class Solution:
     choice: Choice
     seconds_per_request: float  # output/B x T_decode + prompt/tps x T_prefill (the linear model)
@@ -134,6 +133,7 @@ class Solution:
     status: str
     solve_s: float
     candidates: list[dict[str, Any]] = field(default_factory=list)  # per B tried
+    variables: dict[str, Any] = field(default_factory=dict)  # the program's choices at the chosen B
 
     def tokens_per_s(self, pr: "Problem") -> float:
         """The linear model's job throughput: generated tokens per second of one request's
@@ -181,7 +181,30 @@ class _Tables:
 
 
 def _tables(pr: Problem, B: int) -> _Tables:
-    c, r, dt = pr.cost, pr.rates, pr.cost.dtype
+    """The program's coefficients at batch B: times in ns from the cost model at the
+    workload's step shapes, bytes; dominated options dropped when `pr.pareto`."""
+    b_a, b_e, pre_tps, p = _options(pr, B)
+    pre = [(t, a, e) for t in pre_tps for a in b_a for e in b_e]
+    times = _times(pr, B, b_a, b_e, pre, max(pre_tps))
+    mem = _memory(pr, B, b_a, b_e, pre, p)
+    # drop dominated options (no faster in any layer and no smaller): they can never be optimal
+    if pr.pareto:
+        b_a, b_e, pre = _prune(pr, b_a, b_e, pre, pre_tps, times["dec_attn"], times["dec_ffn"], times["pre_comp"],
+                               times["pre_head"], {a: (mem["dev_kv_dec"][a], mem["dev_b_a"][a]) for a in b_a},
+                               mem["dev_b_e"],
+                               {k: (mem["dev_kv_pre"][k], mem["dev_pre"][k] + mem["dev_stage"][k]) for k in pre})
+    c = pr.cost
+    blocks = -(-pr.seq_len // KV_BLOCK)
+    host = {"weights": c.weight_bytes, "kv_cache": B * (blocks + 1) * KV_BLOCK * c.kv_bytes_per_token,
+            "buffers": max(B, max(pre_tps)) * c.buffer_bytes_per_token}
+    return _Tables(B=B, b_a=b_a, b_e=b_e, pre=pre, p=p, groups=pr.groups(), **times, **mem, host_bytes=host,
+                   steal=int(round((1.0 - pr.rates.copy_overlap) * STEAL_SCALE)), w_dec=pr.output_tokens / B,
+                   w_pre={k: pr.prompt_tokens / k[0] for k in pre})
+
+
+def _options(pr: Problem, B: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The values offered at batch B: decode b_a, b_e, prompt tokens per prefill step, prefetch depth."""
+    c, r = pr.cost, pr.rates
     b_a = sorted({max(1, B >> i) for i in range(pr.b_a_options_max)})
     b_e = [e for e in pr.b_e_options] or [4096]
     pre_tps = sorted({min(t, max(1, int(B * pr.prompt_tokens))) for t in pr.tps_options})
@@ -189,90 +212,72 @@ def _tables(pr: Problem, B: int) -> _Tables:
         # fresh on every allocation (page faults on first touch: measured 25% slower steps)
         fit = [t for t in pre_tps if t * c.hidden * 4 < CPU_FRESH_MAP_BYTES]
         pre_tps = fit or pre_tps[:1]
-    pre = [(t, a, e) for t in pre_tps for a in b_a for e in b_e]
     p = list(pr.prefetch_options) if pr.copies else [1]
     if pr.copies and r.copy_overlap < NO_OVERLAP:  # copies cannot hide behind compute (a CPU's copy
         # thread shares its cores and memory bus): a prefetch slot buys nothing, costs arena bytes,
         # and two streams contending ran 6% slower than fetching in turn (bench/predict.py)
         p = [0]
-    ctx_dec = pr.prompt_tokens + pr.output_tokens / 2
-    dec = StepShape(S=B, T=B, context=ctx_dec, head_rows=B)
+    return b_a, b_e, pre_tps, p
 
-    def pre_shape(t: int) -> StepShape:
-        seqs = max(1.0, t / max(pr.prompt_tokens, 1))
-        return StepShape(S=int(math.ceil(seqs)), T=t, context=pr.prompt_tokens / 2, head_rows=int(math.ceil(seqs)))
 
-    ns = lambda s: int(round(s * US))  # noqa: E731
-    gather = not pr.copies  # without an arena the compute thread gathers KV itself
-    mode = mode_of(pr.copies)  # the profile's calibration for this execution mode
-    dec_attn = {a: [ns(attn_layer_seconds(lc, r, dt, dec, a, gather)) for lc in c.layers] for a in b_a}
-    dec_ffn = {e: [ns(ffn_layer_seconds(lc, r, dt, B, e, mode)) for lc in c.layers] for e in b_e}
-    pre_comp = {}
-    pre_head = {}
-    pre_copy_fixed = {}
+def _ns(seconds: float) -> int:
+    return int(round(seconds * US))
+
+
+def _times(pr: Problem, B: int, b_a: list[int], b_e: list[int], pre: list[tuple[int, int, int]],
+           max_tps: int) -> dict[str, Any]:
+    """The time fields of `_Tables` (ns), each from the cost model."""
+    cm, wl = pr.cost_model(), pr.workload
+    dec = wl.decode_shape(B)
+    out: dict[str, Any] = {
+        "dec_attn": {a: [_ns(t) for t in cm.attention_s(dec, a)] for a in b_a},
+        "dec_ffn": {e: [_ns(t) for t in cm.ffn_s(B, e)] for e in b_e},
+        "dec_head": _ns(cm.head_s(B)), "pre_comp": {}, "pre_head": {}, "pre_copy_fixed": {}, "pre_steal_fixed": {}}
     for t, a, e in pre:
-        sh = pre_shape(t)
-        pre_comp[(t, a, e)] = [ns(attn_layer_seconds(lc, r, dt, sh, a, gather)
-                                  + ffn_layer_seconds(lc, r, dt, t, e, mode)) for lc in c.layers]
-        pre_head[(t, a, e)] = ns(head_seconds(c, r, sh.head_rows, mode))
+        sh = wl.prefill_shape(t)
+        out["pre_comp"][(t, a, e)] = [_ns(x + y) for x, y in zip(cm.attention_s(sh, a), cm.ffn_s(t, e))]
+        out["pre_head"][(t, a, e)] = _ns(cm.head_s(sh.head_rows))
+        copy, moved = cm.kv_load_s(sh)
+        out["pre_copy_fixed"][(t, a, e)] = [_ns(x) for x in copy]
+        out["pre_steal_fixed"][(t, a, e)] = [_ns(x) for x in moved]
+    copy, moved = cm.kv_load_s(dec)
+    out["dec_copy_fixed"], out["dec_steal_fixed"] = [_ns(x) for x in copy], [_ns(x) for x in moved]
+    out["fetch_ns"], out["steal_fetch_ns"] = _fetch_times(pr, cm, {"decode": B, "prefill": max_tps})
+    return out
 
-    def kv_load(shape: StepShape) -> tuple[list[int], list[int]]:
-        """Per layer, the KV loads (the stores are the compute thread's, inside attention) as
-        calibrated and at bytes / rate."""
-        raw = [0.0 for _ in c.layers]
-        if pr.copies:
-            for i, lc in enumerate(c.layers):
-                load = shape.S * shape.context * lc.kv_bytes_per_ctx
-                raw[i] = load / r.copy_rate("h2d", load) if load > 0 else 0.0
-        return [ns(calibrated(r, mode, "kv_load", t)) if t > 0 else 0 for t in raw], [ns(t) for t in raw]
 
-    pre_steal_fixed = {}
-    for key in pre:
-        pre_copy_fixed[key], pre_steal_fixed[key] = kv_load(pre_shape(key[0]))
-    dec_copy_fixed, dec_steal_fixed = kv_load(dec)
-    groups = pr.groups()
-    fetch_ns: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
-    steal_fetch_ns: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
-    for phase, T in (("decode", B), ("prefill", max(pre_tps))):
-        for g, nbytes in groups.items():
+def _fetch_times(pr: Problem, cm: CostModel, rows: dict[str, int]) -> tuple[dict[str, dict[str, int]], ...]:
+    """Per phase (over `rows` rows) and residency group, the fetch when not resident (ns): as
+    calibrated, and at bytes / rate. A layer's experts: those its rows are expected to choose."""
+    fetch: dict[str, dict[str, int]] = {phase: {} for phase in rows}
+    moved: dict[str, dict[str, int]] = {phase: {} for phase in rows}
+    for phase, T in rows.items():
+        for g, nbytes in pr.groups().items():
             used, jobs = nbytes, 1.0
             if g.endswith(".experts"):
-                lc = c.layers[int(g.split(".")[0][1:])]
+                lc = pr.cost.layers[int(g.split(".")[0][1:])]
                 jobs = experts_in_use(lc, T)
                 used = jobs * lc.expert_bytes
-            t = used / r.copy_rate("h2d", used) if used else 0.0
-            fetch_ns[phase][g] = ns(calibrated(r, mode, "fetch", t, jobs)) if used else 0
-            steal_fetch_ns[phase][g] = ns(t)
-    it = c.itemsize
-    dev_b_a = {a: a * c.hidden * 6 * it for a in b_a}
-    dev_b_e = {e: e * c.act_bytes_per_token for e in b_e}
-    dev_pre = {(t, a, e): min(t, a * max(1, int(pr.prompt_tokens))) * c.hidden * 6 * it + e * c.act_bytes_per_token
-               for t, a, e in pre}
-    dev_p = {q: (q + 1) * (c.max_expert_bytes + EXPERT_SLOT_PAD) for q in p}
-    dev_kv_dec = {a: pr.kv_buffer_bytes(a) for a in b_a}
-    dev_kv_pre = {k: pr.kv_buffer_bytes(k[1]) for k in pre}
-    dev_stage = {k: pr.stage_bytes(B, k[0]) for k in pre}
-    # drop dominated options (no faster in any layer and no smaller): they can never be optimal
-    if pr.pareto:
-        b_a, b_e, pre = _prune(pr, b_a, b_e, pre, pre_tps, dec_attn, dec_ffn, pre_comp, pre_head,
-                               {a: (dev_kv_dec[a], dev_b_a[a]) for a in b_a}, dev_b_e,
-                               {k: (dev_kv_pre[k], dev_pre[k] + dev_stage[k]) for k in pre})
-    blocks = -(-pr.seq_len // KV_BLOCK)
-    host = {"weights": c.weight_bytes, "kv_cache": B * (blocks + 1) * KV_BLOCK * c.kv_bytes_per_token,
-            "buffers": max(B, max(pre_tps)) * c.buffer_bytes_per_token}
-    return _Tables(
-        B=B, b_a=b_a, b_e=b_e, pre=pre, p=p, groups=groups, dec_attn=dec_attn, dec_ffn=dec_ffn,
-        pre_comp=pre_comp, dec_head=ns(head_seconds(c, r, B, mode)), pre_head=pre_head,
-        dec_copy_fixed=dec_copy_fixed, dec_steal_fixed=dec_steal_fixed, pre_steal_fixed=pre_steal_fixed,
-        steal_fetch_ns=steal_fetch_ns,
-        pre_copy_fixed=pre_copy_fixed, fetch_ns=fetch_ns,
-        dev_fixed=(2 * (c.max_dense_module_bytes + DENSE_SLOT_PAD) if pr.copies else 0) + TEMP_ALLOWANCE,
-        dev_b_a=dev_b_a, dev_b_e=dev_b_e, dev_pre=dev_pre, dev_p=dev_p, dev_kv_dec=dev_kv_dec,
-        dev_kv_pre=dev_kv_pre, dev_stage=dev_stage, host_bytes=host,
-        steal=int(round((1.0 - r.copy_overlap) * STEAL_SCALE)),
-        w_dec=pr.output_tokens / B,
-        w_pre={k: pr.prompt_tokens / k[0] for k in pre},
-    )
+            t, raw = cm.fetch_s(used, jobs)
+            fetch[phase][g], moved[phase][g] = _ns(t), _ns(raw)
+    return fetch, moved
+
+
+def _memory(pr: Problem, B: int, b_a: list[int], b_e: list[int], pre: list[tuple[int, int, int]],
+            p: list[int]) -> dict[str, Any]:
+    """The device-memory fields of `_Tables` (bytes)."""
+    c, it = pr.cost, pr.cost.itemsize
+    return {
+        "dev_fixed": 2 * (c.max_dense_module_bytes + DENSE_SLOT_PAD) if pr.copies else 0,
+        "dev_b_a": {a: a * c.hidden * 6 * it for a in b_a},
+        "dev_b_e": {e: e * c.act_bytes_per_token for e in b_e},
+        "dev_pre": {(t, a, e): min(t, a * max(1, int(pr.prompt_tokens))) * c.hidden * 6 * it + e * c.act_bytes_per_token
+                    for t, a, e in pre},
+        "dev_p": {q: (q + 1) * (c.max_expert_bytes + EXPERT_SLOT_PAD) for q in p},
+        "dev_kv_dec": {a: pr.kv_buffer_bytes(a) for a in b_a},
+        "dev_kv_pre": {k: pr.kv_buffer_bytes(k[1]) for k in pre},
+        "dev_stage": {k: pr.stage_bytes(B, k[0]) for k in pre},
+    }
 
 
 def _prune(pr, b_a, b_e, pre, pre_tps, dec_attn, dec_ffn, pre_comp, pre_head, dev_b_a, dev_b_e, dev_pre):
@@ -565,8 +570,15 @@ def solve(pr: Problem, time_limit_s: float = 10.0) -> Solution | None:
     if best is not None:
         best = _widen_chunks(pr, best)
         best.candidates = sorted(tried, key=lambda d: d["B"])
+        best.variables = _variables(tables[best.choice.B])
         best.solve_s = time.perf_counter() - t0
     return best
+
+
+def _variables(tb: _Tables) -> dict[str, Any]:
+    """The program's choices at one B (after dropping dominated options), for the plan."""
+    return {"decode b_a": tb.b_a, "decode b_e": tb.b_e, "prefill (tps, b_a, b_e)": len(tb.pre),
+            "prefetch depth": tb.p, "residency booleans": len(tb.groups)}
 
 
 def _widen_chunks(pr: Problem, sol: Solution) -> Solution:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moecc.compiler import compile_model
+from moecc_runtime.memory.weights import WeightStore
 from moecc_runtime.plan import SCHEMA_VERSION
-from moecc_runtime.weights import WeightStore
 
 from tests.passes.util import check_golden, run_pass
 

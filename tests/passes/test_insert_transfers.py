@@ -1,4 +1,4 @@
-from moecc.printer import format_graph
+from moecc.ir.printer import format_graph
 
 from tests.passes.util import check_golden, run_pass
 

@@ -2,7 +2,7 @@ import pytest
 
 from moecc.errors import BudgetError
 from moecc.passes.solve_batch_sizes import SolveBatchSizes
-from moecc.printer import format_graph
+from moecc.ir.printer import format_graph
 
 from tests.passes.util import check_golden, graph_before, run_pass
 

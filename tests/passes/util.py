@@ -8,34 +8,31 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from moecc.frontend.trace import build_graph
+from moecc.frontend.build import build_graph
 from moecc.ir import Graph
-from moecc.pass_infra import PassContext, PassResult
+from moecc.ir.pass_infra import PassContext, PassManager, PassResult
+from moecc.options import CompileOptions
 from moecc.passes import default_pipeline
-from moecc.printer import format_graph
-from moecc.verify import verify_graph
+from moecc.ir.printer import format_graph
+from moecc.ir.verify import verify_graph
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = Path(__file__).parent / "golden"
 
 
 def context(model: str = "tiny-mixtral", **options) -> tuple[Graph, PassContext]:
+    """The frontend's graph of a test model and a verifying context (CompileOptions fields as keywords)."""
     graph, ckpt = build_graph(DATA / model)
-    opts = {"gpu_mem": None, "host_mem": None, "checkpoint": ckpt}
-    opts.update(options)
-    return graph, PassContext(options=opts, verify=True)
+    return graph, PassContext(options=CompileOptions(checkpoint=ckpt, **options), verify=True)
 
 
 def graph_before(pass_name: str, model: str = "tiny-mixtral", **options) -> tuple[Graph, PassContext]:
     """Run the default pipeline up to (not including) `pass_name`."""
     graph, ctx = context(model, **options)
-    for p in default_pipeline():
-        if p.name == pass_name:
-            return graph, ctx
-        result = p.run(graph, ctx)
-        result.graph.properties |= set(p.ensures)
-        graph = result.graph
-    raise KeyError(pass_name)
+    names = [p.name for p in default_pipeline()]
+    if names.index(pass_name) == 0:
+        return graph, ctx
+    return PassManager(default_pipeline())(graph, ctx, stop_after=names[names.index(pass_name) - 1]), ctx
 
 
 def run_pass(pass_name: str, model: str = "tiny-mixtral", **options) -> tuple[Graph, PassResult]:

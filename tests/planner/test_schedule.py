@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from moecc.hardware import resolve_hardware
+from moecc.planner.hardware import resolve_hardware
 from moecc.planner.schedule import Knobs, StepShape, build_schedule
 
 from tests.planner.test_solve import cost

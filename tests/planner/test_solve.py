@@ -8,7 +8,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moecc.hardware import resolve_hardware
+from moecc.planner.hardware import resolve_hardware
 from moecc.planner import solve as S
 from moecc.planner.costs import model_cost
 
@@ -37,7 +37,7 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 2e-4 * max(abs(a), abs(b))  # CP-SAT weighs steps with integer weights (1e-4)
 
 
-#: a calibration (moecc/calibrate.py) with slow KV loads: on a CPU their waits do not steal compute
+#: a calibration (moecc/measure/calibrate.py) with slow KV loads: on a CPU their waits do not steal compute
 CALIBRATION = {"streamed": {"factor": {"kv_load": 3.0, "fetch": 1.2, "attention": 1.3, "gemm": 1.1, "router": 2.0},
                             "job_s": {"kv_load": 4e-4, "attention": 1e-4, "gemm": 3e-5},
                             "overhead_layer_s": 2e-4, "overhead_row_s": 1e-6}}

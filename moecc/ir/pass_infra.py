@@ -1,6 +1,7 @@
 """Pass infrastructure: the Pass interface, PassResult, PassContext with instruments, and
-the PassManager that runs a flat pipeline, checks each pass's requirements and guarantees,
-and runs the verifier after every pass when asked (always in tests).
+the PassManager that runs a flat pipeline (all of it, or through a named pass:
+`stop_after`), checks each pass's requirements and guarantees, and runs the verifier after
+every pass when asked (always in tests). Options are typed: `moecc.options.CompileOptions`.
 
 Modelled on torch.fx's PassBase (requires -> call -> ensures) and TVM's PassContext with
 instruments (PrintAfter, DumpIR): printing and dumping are instruments, never prints in
@@ -12,11 +13,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, Sequence, TextIO
+from typing import ClassVar, Protocol, Sequence, TextIO
 
 from moecc.errors import MoeccError, PassError
-from moecc.ir import Graph
-from moecc.printer import format_graph
+from moecc.ir.graph import Graph
+from moecc.ir.printer import format_graph
+from moecc.options import CompileOptions
 
 
 @dataclass
@@ -55,8 +57,8 @@ def provenance(index: int, p: Pass, result: PassResult, seconds: float) -> str:
 @dataclass
 class DumpIR:
     """Write the graph after every pass to DIR/NNN_<pass>.txt and, with "onnx" in
-    `formats`, DIR/NNN_<pass>.onnx (moecc/onnx_export.py; the provenance line goes into
-    the model's doc string), with "svg", DIR/NNN_<pass>.svg (moecc/graph_svg.py; the
+    `formats`, DIR/NNN_<pass>.onnx (moecc/views/onnx_export.py; the provenance line goes into
+    the model's doc string), with "svg", DIR/NNN_<pass>.svg (moecc/views/graph_svg.py; the
     provenance line is its heading)."""
 
     directory: Path
@@ -71,7 +73,7 @@ class DumpIR:
             path.write_text(head + "\n" + format_graph(result.graph, weights=(index == 0)))
             self.written.append(path)
         if "onnx" in self.formats:
-            from moecc.onnx_export import graph_to_onnx
+            from moecc.views.onnx_export import graph_to_onnx
 
             model = graph_to_onnx(result.graph, name=f"{index:03d}_{p.name}")
             model.doc_string = head
@@ -79,7 +81,7 @@ class DumpIR:
             path.write_bytes(model.SerializeToString())
             self.written.append(path)
         if "svg" in self.formats:
-            from moecc.graph_svg import graph_to_svg
+            from moecc.views.graph_svg import graph_to_svg
 
             path = self.directory / f"{index:03d}_{p.name}.svg"
             path.write_text(graph_to_svg(result.graph, heading=head.lstrip("# ")), encoding="utf-8")
@@ -105,13 +107,10 @@ class PrintAfter:
 class PassContext:
     """Options every pass may read, the instruments to run, and whether to verify."""
 
-    options: dict[str, Any] = field(default_factory=dict)
+    options: CompileOptions = field(default_factory=CompileOptions)
     instruments: list[Instrument] = field(default_factory=list)
     verify: bool = False
     timings: dict[str, float] = field(default_factory=dict)
-
-    def option(self, key: str, default: Any = None) -> Any:
-        return self.options.get(key, default)
 
 
 class PassManager:
@@ -123,46 +122,58 @@ class PassManager:
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate pass names in pipeline: {names}")
 
-    def __call__(self, graph: Graph, ctx: PassContext, *, first_index: int = 1) -> Graph:
-        from moecc.verify import verify_graph
-
+    def __call__(self, graph: Graph, ctx: PassContext, *, first_index: int = 1,
+                 stop_after: str | None = None) -> Graph:
+        """Run the pipeline (through the pass named `stop_after`, when given) on `graph`;
+        return the last pass's graph."""
+        names = [p.name for p in self.passes]
+        if stop_after is not None and stop_after not in names:
+            raise ValueError(f"stop_after: unknown pass {stop_after!r}; passes: {', '.join(names)}")
         done: list[str] = []
         for offset, p in enumerate(self.passes):
-            missing = p.requires - graph.properties
-            if missing:
+            graph = self._run_one(p, graph, ctx, first_index + offset, done)
+            done.append(p.name)
+            if p.name == stop_after:
+                break
+        return graph
+
+    def _run_one(self, p: Pass, graph: Graph, ctx: PassContext, index: int, done: list[str]) -> Graph:
+        """One pass: check what it requires, run it, record what it ensures, verify, instrument."""
+        from moecc.ir.verify import verify_graph
+
+        missing = p.requires - graph.properties
+        if missing:
+            raise PassError(
+                p.name,
+                f"requires {sorted(missing)}, which no earlier pass established "
+                f"(ran before it: {done or ['trace']}); add the pass that ensures them "
+                f"earlier in the pipeline",
+            )
+        start = time.perf_counter()
+        try:
+            result = p.run(graph, ctx)
+        except PassError:
+            raise
+        except MoeccError as e:  # a user-facing error: keep its message, name the pass
+            raise PassError(p.name, str(e)) from e
+        except Exception as e:  # name the pass, keep the cause
+            raise PassError(p.name, f"{type(e).__name__}: {e}") from e
+        seconds = time.perf_counter() - start
+        if result.graph is graph and result.modified:
+            raise PassError(p.name, "mutated its input graph; passes must work on graph.copy()")
+        result.graph.properties |= set(p.ensures)
+        if ctx.verify:
+            problems = verify_graph(result.graph)
+            if problems:
                 raise PassError(
                     p.name,
-                    f"requires {sorted(missing)}, which no earlier pass established "
-                    f"(ran before it: {done or ['trace']}); add the pass that ensures them "
-                    f"earlier in the pipeline",
+                    "the graph it produced is not well-formed (passes before it: "
+                    f"{done or ['trace']}):\n  " + "\n  ".join(problems),
                 )
-            start = time.perf_counter()
-            try:
-                result = p.run(graph, ctx)
-            except PassError:
-                raise
-            except MoeccError as e:  # a user-facing error: keep its message, name the pass
-                raise PassError(p.name, str(e)) from e
-            except Exception as e:  # name the pass, keep the cause
-                raise PassError(p.name, f"{type(e).__name__}: {e}") from e
-            seconds = time.perf_counter() - start
-            if result.graph is graph and result.modified:
-                raise PassError(p.name, "mutated its input graph; passes must work on graph.copy()")
-            result.graph.properties |= set(p.ensures)
-            if ctx.verify:
-                problems = verify_graph(result.graph)
-                if problems:
-                    raise PassError(
-                        p.name,
-                        "the graph it produced is not well-formed (passes before it: "
-                        f"{done or ['trace']}):\n  " + "\n  ".join(problems),
-                    )
-            ctx.timings[p.name] = seconds
-            for inst in ctx.instruments:
-                inst.after_pass(first_index + offset, p, result, seconds)
-            graph = result.graph
-            done.append(p.name)
-        return graph
+        ctx.timings[p.name] = seconds
+        for inst in ctx.instruments:
+            inst.after_pass(index, p, result, seconds)
+        return result.graph
 
 
 class _TracePass(Pass):

@@ -5,7 +5,7 @@ same time scale.
 
 Input is plain data: the plan's "timeline" (moecc/planner/schedule.py `to_data`: the
 planner's own job DAG, stored at compile time) and the stats file's engine "timeline"
-(runtime/timeline.py). Both hold jobs as [name, lane, kind, layer, start_s, seconds].
+(runtime/worker/timeline.py). Both hold jobs as [name, lane, kind, layer, start_s, seconds].
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moecc import svg
+from moecc.views import svg
 
 LANES = ("compute", "copy")
 KIND_COLOURS = {"attention": "#4e79a7", "gather": "#a0cbe8", "gemm": "#59a14f", "expert": "#59a14f",

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from moecc.errors import HardwareError
-from moecc.hardware import PRESETS, HardwareProfile, normalize_dtype, resolve_hardware
+from moecc.planner.hardware import PRESETS, HardwareProfile, normalize_dtype, resolve_hardware
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def _mlp_curve(torch, dev: str, dt, hidden: int, inter: int, s: _Settings, timer
     a CPU, views of a memory-mapped file (4 KiB pages: measured 8% slower than anonymous
     memory at 128 rows), on CUDA device tensors; enough copies (4x the GEMM pool) that they
     stream from memory as a step's experts do."""
-    from moecc_runtime.kernels import gated_mlp
+    from moecc_runtime.worker.kernels import gated_mlp
 
     elem = torch.empty((), dtype=dt).element_size()
     pool = max(2, min(32, 4 * s.weight_pool_bytes // (3 * hidden * inter * elem)))
@@ -272,7 +272,7 @@ def _elementwise_curve(torch, dev: str, dt, hidden: int, s: _Settings, timer: _T
     row), against the bytes one call touches. Inputs rotate through a pool larger than the
     caches, as a step's activations are cold by the time the glue after a GEMM reads them."""
     from moecc.planner.costs import ELEMENTWISE_PASSES
-    from moecc_runtime.kernels import rmsnorm
+    from moecc_runtime.worker.kernels import rmsnorm
 
     elem = torch.empty((), dtype=dt).element_size()
     passes = ELEMENTWISE_PASSES["rmsnorm"] + ELEMENTWISE_PASSES["add"]
@@ -343,9 +343,9 @@ def _cpu_copy_overlap(torch, s: _Settings, hidden: int, inter: int, trials: int)
     length), where a bare GEMM beside a copy loop showed 0.8-1.1. Clamped to [-2, 1]."""
     import statistics
 
-    from moecc_runtime.copy_engine import CopyEngine
-    from moecc_runtime.kernels import gated_mlp
-    from moecc_runtime.streaming import Copier
+    from moecc_runtime.memory.copy_engine import CopyEngine
+    from moecc_runtime.worker.kernels import gated_mlp
+    from moecc_runtime.memory.streaming import Copier
 
     per = 3 * hidden * inter * 4
     pool = max(3, min(16, 2 * s.weight_pool_bytes // per))
@@ -417,7 +417,7 @@ class SpeedCanary:
 
     def seconds(self, duration_s: float = 2.0) -> float:
         """Median seconds of one expert call over about `duration_s` of calls."""
-        from moecc_runtime.kernels import gated_mlp
+        from moecc_runtime.worker.kernels import gated_mlp
 
         times: list[float] = []
         end = time.perf_counter() + duration_s

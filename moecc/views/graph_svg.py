@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from moecc import svg
+from moecc.views import svg
 from moecc.ir import Graph, Node
 
 

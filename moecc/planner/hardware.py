@@ -121,7 +121,7 @@ class HardwareProfile:
     # below 0 when a second of copying costs compute more than a second
     copy_overlap: float = 1.0
     # measured on the runtime itself (`moecc profile --model DIR` runs a short job of the model,
-    # moecc/calibrate.py): {"model": name, "resident"|"streamed": {"factor": {kind: x},
+    # moecc/measure/calibrate.py): {"model": name, "resident"|"streamed": {"factor": {kind: x},
     # "job_s": {kind: seconds per job}, "overhead_layer_s": s, "overhead_row_s": s}};
     # empty: nothing corrected
     calibration: dict = field(default_factory=dict)

@@ -1,7 +1,7 @@
 """moecc inside a Ray Data pipeline: a callable class for `Dataset.map_batches`.
 
     import ray
-    from moecc_runtime.ray_data import MoeccPredictor
+    from moecc_runtime.job.ray_data import MoeccPredictor
 
     ds = ray.data.read_json("prompts.jsonl")            # a "prompt" column (or "messages")
     out = ds.map_batches(MoeccPredictor, fn_constructor_kwargs={"plan": "plan.pt"},
@@ -23,14 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from moecc_runtime.generate import GenRequest, generate
+from moecc_runtime.engine import generate
+from moecc_runtime.scheduler.sequence import GenRequest
 
 
 class MoeccPredictor:
     def __init__(self, plan: str | Path, model_dir: str | Path | None = None, device: str = "auto",
                  max_batch: int | None = None, max_tokens: int = 256, prompt_column: str = "prompt"):
         from moecc_runtime.engine import Engine
-        from moecc_runtime.exec import pick_device
+        from moecc_runtime.job.exec import pick_device
         from moecc_runtime.plan import check_checkpoint, load_plan
         from moecc_runtime.tokenizer import Tokenizer
 

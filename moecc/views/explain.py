@@ -46,7 +46,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
 
 def workload_of(prompts: Path, model_dir: Path, default_max: int) -> dict[str, int]:
     """Valid and invalid requests of a prompts file, their prompt tokens and max_tokens."""
-    from moecc_runtime.requests import RequestError, iter_requests
+    from moecc_runtime.job.requests import RequestError, iter_requests
     from moecc_runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir)
@@ -115,7 +115,7 @@ def measured_timeline(measured: Path) -> dict[str, Any]:
     TimelineError naming the file and the missing field."""
     import json
 
-    from moecc.timeline_svg import TimelineError
+    from moecc.views.timeline_svg import TimelineError
 
     try:
         stats = json.loads(Path(measured).read_text(encoding="utf-8"))
@@ -176,8 +176,8 @@ def format_comparison(cmp: dict[str, Any]) -> str:
 def write_timeline(plan: dict[str, Any], out: Path, measured: dict[str, Any] | None = None,
                    layers: int | None = 2) -> Path:
     """Draw the plan's predicted decode and prefill steps (and the measured ones, the timeline
-    of a `moecc exec --stats` file) to `out` as SVG (moecc/timeline_svg.py)."""
-    from moecc.timeline_svg import draw_timeline
+    of a `moecc exec --stats` file) to `out` as SVG (moecc/views/timeline_svg.py)."""
+    from moecc.views.timeline_svg import draw_timeline
 
     name = f"{plan['model']['architecture']} on {plan.get('predicted', {}).get('hardware') or 'unknown hardware'}"
     out = Path(out)

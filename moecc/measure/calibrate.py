@@ -6,8 +6,8 @@ thread's contention, the row gathers around each expert, Python between ops). `c
 runs a short job of the model with `moecc exec --stats` in each execution mode (weights
 read in place: "resident"; weights and KV through a device arena: "streamed"). The job has
 a decode step (few rows) and a prefill step (many rows); for each, the planner's schedule
-of that same step (its sequences, rows, context and the plan's knobs) is compared with the
-measured timeline, and per mode `fit_mode` fits:
+of that same step (`CostModel.step` at its sequences, rows, context and the plan's knobs) is
+compared with the measured timeline, and per mode `fit_mode` fits:
 
   1. copy kinds (fetch, kv_load), then compute kinds (attention, gemm, router, head; a CPU
      copy steals compute by the bytes it moves, its modelled length, whatever its calibration):
@@ -34,9 +34,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from moecc.hardware import CALIBRATION_FACTOR_RANGE, HardwareProfile
+from moecc.planner.hardware import CALIBRATION_FACTOR_RANGE, HardwareProfile
+from moecc.planner.cost_model import CostModel, choice_of, streams_of
 from moecc.planner.costs import ModelCost
-from moecc.planner.schedule import Knobs, Schedule, StepShape, build_schedule, mode_of
+from moecc.planner.schedule import Knobs, Schedule, StepShape, mode_of
 
 COPY_KINDS = ("fetch", "kv_load")
 COMPUTE_KINDS = ("attention", "gemm", "router", "head")
@@ -64,14 +65,6 @@ def step_shape(step: dict[str, Any]) -> StepShape:
     S, T = int(step["sequences"]), int(step["tokens"])
     return StepShape(S=S, T=T, context=float(step.get("context") or 0.0),
                      head_rows=int(step.get("head_rows") or S))
-
-
-def knobs_of(plan: dict[str, Any], phase: str) -> Knobs:
-    """The plan's sizes, residency and prefetch for `phase`."""
-    b, arena = plan["batch"][phase], plan.get("arena")
-    resident = frozenset(arena["resident"]) if arena else frozenset({"all"})
-    prefetch = int(arena["expert_slots"]) - 1 if arena else 1
-    return Knobs(int(b["b_a"]), int(b["b_e"]), prefetch, resident)
 
 
 def affine(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -127,7 +120,7 @@ def fit_mode(cost: ModelCost, rates: HardwareProfile, steps: list[tuple[Knobs, d
 
     def sched(i: int, cal: dict[str, Any]) -> Schedule:
         r = dataclasses.replace(rates, calibration={**rates.calibration, mode: cal})
-        return build_schedule(cost, r, shapes[i], steps[i][0])
+        return CostModel(cost, r, steps[i][0].streams).step(shapes[i], steps[i][0])
 
     cal: dict[str, Any] = {"factor": {}, "job_s": {}}
     for kinds in (COPY_KINDS, COMPUTE_KINDS):
@@ -234,7 +227,8 @@ def calibrate(model: Path, rates: HardwareProfile, work: Path | None = None, wor
                 raise HardwareError(f"calibration run of {model} ({mode} weights) failed (exit {r.returncode}):\n"
                                     f"{r.stderr.strip()[-2000:]}")
             timeline = json.loads(stats.read_text())["engine"].get("timeline") or {}
-            steps = [(knobs_of(plan, phase), step) for phase, step in sorted(timeline.items())
+            choice, streams = choice_of(plan), streams_of(plan)
+            steps = [(choice.knobs(phase, streams), step) for phase, step in sorted(timeline.items())
                      if step.get("step", 2) > 1]  # a job's first step pays page faults: not a rate
             steps = [(k, st) for k, st in steps if mode_of(k.streams) == mode]  # no arena: the model fit the budget
             if steps:

@@ -181,16 +181,6 @@ class Graph:
     def by_name(self) -> dict[str, Node]:
         return {n.name: n for n in self.nodes}
 
-    def users(self) -> dict[str, list[Node]]:
-        out: dict[str, list[Node]] = {n.name: [] for n in self.nodes}
-        for n in self.nodes:
-            for i in n.inputs:
-                out.setdefault(i, []).append(n)
-        return out
-
-    def layer_nodes(self, layer: int) -> list[Node]:
-        return [n for n in self.nodes if n.layer == layer]
-
     def modules(self) -> list[str]:
         """Module names in execution order (after split_modules)."""
         seen: dict[str, None] = {}

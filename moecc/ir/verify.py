@@ -7,7 +7,7 @@ naming the offending node.
 
 from __future__ import annotations
 
-from moecc.ir import OPS, TRANSFER_OPS, Graph
+from moecc.ir.graph import OPS, TRANSFER_OPS, Graph
 
 COMPUTE_WITH_WEIGHTS = frozenset({"embed", "rmsnorm", "attention", "router", "experts", "mlp", "linear", "lm_head"})
 

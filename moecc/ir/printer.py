@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moecc.ir import Graph, Node
+from moecc.ir.graph import Graph, Node
 from moecc.sizes import format_bytes, format_count
 
 LEGEND = (

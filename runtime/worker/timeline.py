@@ -1,11 +1,11 @@
-"""The measured timeline of one engine step: what the compute thread and the copy engine did,
+"""The measured timeline of one worker step: what the compute thread and the copy engine did,
 job by job, in the same rows the planner's predicted timeline uses
 ([name, lane, kind, layer, start_s, seconds], start relative to the step's start), so
 `moecc explain --timeline --measured stats.json` draws them one above the other.
 
-The engine keeps one decode step (the first at the largest batch seen, past the first steps)
+The worker keeps one decode step (the first at the largest batch seen, past the first steps)
 and one prefill step (the first past the warm-up that is at least 90% prompt tokens); see
-`Engine.step`. Recording costs two perf_counter calls per job.
+`pick_trace`. Recording costs two perf_counter calls per job.
 """
 
 from __future__ import annotations
@@ -53,3 +53,23 @@ class StepTrace:
         return {"step": self.step, "step_s": seconds, "sequences": sequences, "tokens": tokens,
                 "prefill_tokens": prefill_tokens, "context": context, "head_rows": head_rows, "jobs": jobs,
                 "layers": 1 + max((j[3] for j in jobs if j[3] is not None), default=-1)}
+
+
+def pick_trace(kept: dict[str, Any] | None, phase: str, step_no: int, tokens: int, prefill_tokens: int,
+               sequences: int, t0: float) -> StepTrace | None:
+    """A trace for step `step_no` when it ranks above `kept`, the phase's step kept so far
+    (as `StepTrace.finish` wrote it; None: none yet). Prefill steps rank by (past the first
+    step, which pays first touches, and >= 90% prompt tokens; then the prompt share),
+    decode-only steps by (past the first two steps; then sequences: the first step at the
+    largest batch); a decode step with prompt tokens is never traced."""
+    if phase == "prefill":
+        share = prefill_tokens / max(1, tokens)
+        rank = (step_no > 1 and share >= 0.9, share)
+        old = (kept["step"] > 1 and kept["prefill_tokens"] >= 0.9 * kept["tokens"],
+               kept["prefill_tokens"] / max(1, kept["tokens"])) if kept else None
+    else:
+        if prefill_tokens:
+            return None
+        rank = (step_no > 2, sequences)
+        old = (kept["step"] > 2, kept["sequences"]) if kept else None
+    return StepTrace(phase, step_no, t0) if old is None or rank > old else None

@@ -1,19 +1,17 @@
-"""Build the model on the meta device, trace every decoder layer with torch.fx, and lower
-the traces into moecc's graph (`build_graph`).
+"""The lowering table: fx nodes of a traced layer -> moecc graph nodes (`lower_layer`),
+plus the stem (embedding, rotary table) and the head (final norm, lm_head).
 
-Needs: a checkpoint directory (config.json; weights optional).
-Does: one fx trace per decoder layer with role leaves (see roles.py); glue ops become
-`add`/`mul`/`sigmoid`/`linear` nodes, shape-only ops (view, reshape, shape reads) vanish
-because the runtime keeps hidden states flat as [T, H].
-Guarantees: a graph with property "traced"; every node tagged with role, shape, FLOPs per
-token and weight refs by checkpoint tensor name; no weight is materialised.
+Needs: a layer's fx trace (tracer.py), the model's facts and a WeightResolver.
+Does: role modules become their op (rmsnorm, attention or MLA, router, experts, mlp,
+linear) with weights by checkpoint tensor name and FLOPs per token; glue becomes
+add/mul/sigmoid; shape-only ops vanish (rows stay flat as [T, H]).
+Guarantees: nodes appended in execution order; anything else fails with a FrontendError
+or UnsupportedModelError naming the layer and the op.
 """
 
 from __future__ import annotations
 
 import operator
-import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,236 +19,14 @@ import torch
 import torch.fx
 from torch import nn
 
-from moecc.errors import CheckpointError, FrontendError, UnsupportedModelError
-from moecc.frontend.checkpoint import Checkpoint, read_checkpoint
+from moecc.errors import FrontendError, UnsupportedModelError
 from moecc.frontend.roles import classify, norm_eps
 from moecc.frontend.weights import WeightResolver
-from moecc.ir import Graph, ModelInfo, Node
-
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                           "OlmoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
-_ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                       "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                       "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                       "gpt_oss": "GptOssForCausalLM"}
-_STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+from moecc.ir.graph import Graph, ModelInfo, Node
 
 
-class _MetaProxy(torch.fx.Proxy):
-    """A proxy that knows its value's meta tensor (or shape), so layer code may read shapes
-    and star-unpack them (`view(*orig_shape)`, as DeepSeek's MoE block does)."""
-
-    def __iter__(self):
-        return _iter_meta(self)
-
-    def __len__(self) -> int:
-        return _len_meta(self)
-
-    def __getattr__(self, k: str) -> "_MetaAttribute":
-        return _MetaAttribute(self, k)
-
-
-class _MetaAttribute(torch.fx.proxy.Attribute):
-    """`proxy.shape` and friends: iterable like their meta value."""
-
-    def __iter__(self):
-        return _iter_meta(self)
-
-    def __len__(self) -> int:
-        return _len_meta(self)
-
-
-def _len_meta(p: torch.fx.Proxy) -> int:
-    val = p.node.meta.get("val")
-    if val is None:
-        return torch.fx.Proxy.__len__(p)
-    return len(val.shape) if isinstance(val, torch.Tensor) else len(val)
-
-
-def _iter_meta(p: torch.fx.Proxy):
-    if p.node.meta.get("val") is None:
-        return torch.fx.Proxy.__iter__(p)
-    return iter([p[i] for i in range(_len_meta(p))])
-
-
-class _RoleTracer(torch.fx.Tracer):
-    """Modules with a moecc role (and plain nn.Linear) stay leaves. Every value carries a
-    meta value (node.meta["val"]) computed alongside: leaves by their role's output shape,
-    everything else by running the op on meta tensors."""
-
-    def __init__(self, inputs: dict[str, torch.Tensor]):
-        super().__init__()
-        self.inputs = inputs
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return classify(m) is not None or isinstance(m, nn.Linear)
-
-    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
-        return _MetaProxy(node, self)
-
-    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
-        p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        try:
-            p.node.meta["val"] = self._meta(kind, target, args, kwargs)
-        except Exception:  # a value whose shape cannot be known: only reading it fails later
-            p.node.meta["val"] = None
-        return p
-
-    def _meta(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
-        def val(x: Any) -> Any:
-            return torch.fx.node.map_aggregate(
-                x, lambda v: v.node.meta.get("val") if isinstance(v, torch.fx.Proxy) else v)
-
-        a, kw = val(args), val(kwargs)
-        if kind == "placeholder":
-            return self.inputs.get(target)
-        if kind == "get_attr":
-            obj = self.root
-            for part in str(target).split("."):
-                obj = getattr(obj, part)
-            return obj
-        if kind == "call_function":
-            return target(*a, **kw)
-        if kind == "call_method":
-            return getattr(a[0], target)(*a[1:], **kw)
-        if kind == "call_module":
-            mod = self.root.get_submodule(target)
-            x = a[0] if a else next(iter(kw.values()))
-            return _leaf_meta(mod, x)
-        return None
-
-
-class _LayerCall(nn.Module):
-    """A decoder layer with explicit arguments, so fx can trace it."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.layer(h, position_embeddings=(cos, sin), attention_mask=None)
-
-
-def _leaf_meta(mod: nn.Module, x: torch.Tensor) -> Any:
-    """The meta output of a leaf module for input `x`, by its role (leaves are not run:
-    experts on meta would need data-dependent shapes). Runs inside the tracer, which
-    turns parameter reads and module calls into graph nodes, so shapes come from
-    `_parameters` and plain attributes only."""
-    role = classify(mod)
-    lead = x.shape[:-1]
-    if role == "router":
-        n, E, k = x.numel() // x.shape[-1], mod._parameters["weight"].shape[0], int(mod.top_k)
-        return (torch.empty(n, E, device="meta"), torch.empty(n, k, device="meta"),
-                torch.empty(n, k, dtype=torch.long, device="meta"))
-    if role == "attention":
-        return (torch.empty(x.shape, device="meta"), None)
-    if role in ("experts", "norm"):
-        return torch.empty(x.shape, device="meta")
-    if role == "mlp":
-        return torch.empty(*lead, mod._modules["down_proj"].out_features, device="meta")
-    if isinstance(mod, nn.Linear):
-        return torch.empty(*lead, mod.out_features, device="meta")
-    return None
-
-
-def _dtype_name(dt: Any) -> str:
-    if isinstance(dt, torch.dtype):
-        return str(dt).removeprefix("torch.")
-    if isinstance(dt, str) and dt not in ("auto", ""):
-        return dt
-    return "float32"
-
-
-def load_config(ckpt: Checkpoint):
-    """transformers' config object for the checkpoint, checked against what moecc supports."""
-    model_type = ckpt.config.get("model_type")
-    archs = ckpt.config.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(model_type, model_type)]
-    if not model_type:
-        raise CheckpointError(
-            f"{ckpt.directory}/config.json: no 'architectures' or 'model_type'; is this a "
-            f"transformers causal-LM checkpoint?"
-        )
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{ckpt.directory}: architecture {archs[0]} is not supported yet; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(ckpt.directory), local_files_only=True)
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") not in _STATIC_ROPE:
-        raise UnsupportedModelError(
-            f"{ckpt.directory}: rope_type {rope.get('rope_type')!r} is not supported yet; "
-            f"supported: {', '.join(_STATIC_ROPE)}"
-        )
-    return config
-
-
-def _model_info(ckpt: Checkpoint, config) -> ModelInfo:
-    arch = (config.architectures or [_ARCH_BY_MODEL_TYPE[config.model_type]])[0]
-    eos = config.eos_token_id
-    gen = ckpt.directory / "generation_config.json"
-    if gen.is_file():
-        import json
-
-        eos = json.loads(gen.read_text()).get("eos_token_id", eos)
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype = _dtype_name(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
-    if ckpt.has_weights:  # the weights decide: a config may say bfloat16 for an fp32 file
-        dtypes = {loc.dtype for loc in ckpt.tensors.values()}
-        if len(dtypes) == 1:
-            dtype = dtypes.pop()
-    extra: dict[str, Any] = {"hidden_act": config.hidden_act,
-                             "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False))}
-    if getattr(config, "kv_lora_rank", None):
-        extra["mla"] = {k: getattr(config, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                                        "qk_rope_head_dim", "v_head_dim")}
-        head_dim = config.qk_rope_head_dim  # the rotary table's width
-    return ModelInfo(
-        architecture=arch,
-        model_type=config.model_type,
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        vocab_size=config.vocab_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim,
-        num_experts=num_experts,
-        top_k=config.num_experts_per_tok,
-        dtype=dtype,
-        max_position_embeddings=config.max_position_embeddings,
-        bos_token_id=config.bos_token_id,
-        eos_token_ids=eos_ids,
-        pad_token_id=getattr(config, "pad_token_id", None),
-        extra=extra,
-    )
-
-
-def build_graph(model_dir: str | os.PathLike) -> tuple[Graph, Checkpoint]:
-    """Read the checkpoint, build the model on meta, trace each layer, return the graph."""
-    ckpt = read_checkpoint(model_dir)
-    config = load_config(ckpt)
-    info = _model_info(ckpt, config)
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config)
-    resolver = WeightResolver(ckpt, config.model_type, info.dtype)
-    g = Graph(info)
-    _add_stem(g, model, config, resolver)
-    h = "embed"
-    for idx, layer in enumerate(model.model.layers):
-        h = _lower_layer(g, idx, layer, f"model.layers.{idx}", h, resolver, info)
-    _add_head(g, model, config, resolver, h, info)
-    g.properties.add("traced")
-    return g, ckpt
-
-
-def _add_stem(g: Graph, model: nn.Module, config, r: WeightResolver) -> None:
+def lower_stem(g: Graph, model: nn.Module, config, r: WeightResolver) -> None:
+    """Token ids and positions in; the embedding and the rotary table (real, tiny tensors)."""
     info = g.info
     H, V = info.hidden_size, info.vocab_size
     g.add(Node("input_ids", "input", role="io", shape=("T",)))
@@ -266,7 +42,8 @@ def _add_stem(g: Graph, model: nn.Module, config, r: WeightResolver) -> None:
                source="model.rotary_emb"))
 
 
-def _add_head(g: Graph, model: nn.Module, config, r: WeightResolver, h: str, info: ModelInfo) -> None:
+def lower_head(g: Graph, model: nn.Module, config, r: WeightResolver, h: str, info: ModelInfo) -> None:
+    """The final norm over hidden state `h`, the lm_head (tied or its own) and the output."""
     H, V = info.hidden_size, info.vocab_size
     g.add(Node("final_norm", "rmsnorm", [h], role="norm", shape=("T", H),
                weights={"weight": r.tensor("model.norm.weight", (H,))},
@@ -288,17 +65,10 @@ class _Ref:
     field: int | None = None  # which element of a tuple-valued node ("field")
 
 
-def _lower_layer(g: Graph, idx: int, layer: nn.Module, prefix: str, h_in: str,
-                 r: WeightResolver, info: ModelInfo) -> str:
-    try:
-        wrapper = _LayerCall(layer)
-        rope_dim = rope_dims(layer, info)
-        T = 8  # any length: the lowering keeps rows flat ([T, H]) and drops shape ops
-        inputs = {"h": torch.empty(1, T, info.hidden_size, device="meta"),
-                  "cos": torch.empty(1, T, rope_dim, device="meta"), "sin": torch.empty(1, T, rope_dim, device="meta")}
-        gm = torch.fx.GraphModule(wrapper, _RoleTracer(inputs).trace(wrapper))
-    except Exception as e:
-        raise FrontendError(idx, type(layer).__name__, f"torch.fx could not trace the layer: {e}") from e
+def lower_layer(g: Graph, idx: int, gm: torch.fx.GraphModule, prefix: str, h_in: str,
+                r: WeightResolver, info: ModelInfo) -> str:
+    """Append decoder layer `idx`'s nodes (from its fx trace `gm`) reading hidden state
+    `h_in`; return the name of the layer's output."""
     modules = dict(gm.named_modules())
     env: dict[torch.fx.Node, _Ref] = {}
     out_name: str | None = None
@@ -336,12 +106,6 @@ def _lower_layer(g: Graph, idx: int, layer: nn.Module, prefix: str, h_in: str,
     assert out_name is not None
     return out_name
 
-
-def rope_dims(layer: nn.Module, info: ModelInfo) -> int:
-    """Width of the rotary cos/sin a layer's attention takes (MLA rotates only part of a head)."""
-    attn = next((m for m in layer.modules() if classify(m) == "attention"), None)
-    rope = getattr(attn, "qk_rope_head_dim", None) if attn is not None else None
-    return int(rope or info.head_dim)
 
 
 def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torch.fx.Node,

@@ -1,0 +1,181 @@
+"""The planner's one cost model of a step, and its one entry point (`CostModel`).
+
+A step of a phase (decode or prefill) is a DAG of compute and copy jobs (schedule.py); its
+critical path is the predicted step time. Everything that prices a step asks `CostModel`:
+  - the solver (solve.py) builds its linear program from the per-layer job times
+    (`attention_s`, `ffn_s`, `head_s`, `kv_load_s`, `fetch_s`) at the step shapes below;
+  - solve_batch_sizes predicts a plan's rates and timelines with `predict`;
+  - calibrate (moecc/measure) fits a profile's calibration to measured steps with `step`;
+  - bench/predict.py evaluates hand-set plans with `predict(workload, choice_of(plan))`.
+
+The step shapes of a workload are one rule for all of them (`Workload`): a decode step of B
+sequences has B rows at a mean context of prompt + output / 2; a prefill step of tps prompt
+tokens covers ceil(tps / prompt) sequences (at least one: a longer prompt is prefilled over
+several steps), each at a mean context of prompt / 2, and that many rows reach the head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from moecc.planner.costs import ModelCost
+from moecc.planner.schedule import (Knobs, Rates, Schedule, StepShape, attn_layer_seconds, build_schedule,
+                                    calibrated, ffn_layer_seconds, head_seconds, mode_of, to_data)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The typical request: prompt tokens and output tokens (means; need not be integers)."""
+
+    prompt_tokens: float
+    output_tokens: float
+
+    def decode_shape(self, B: int) -> StepShape:
+        """B sequences, one row each, at the mean context over the request's decode."""
+        return StepShape(S=B, T=B, context=self.prompt_tokens + self.output_tokens / 2, head_rows=B)
+
+    def prefill_shape(self, tps: int) -> StepShape:
+        """tps prompt tokens over ceil(tps / prompt) sequences (at least one)."""
+        seqs = int(math.ceil(max(1.0, tps / max(self.prompt_tokens, 1))))
+        return StepShape(S=seqs, T=tps, context=self.prompt_tokens / 2, head_rows=seqs)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A candidate configuration: the batch B, decode sizes, prefill (tokens per step, b_a,
+    b_e), prefetch depth and the residency groups kept on the device."""
+
+    B: int
+    b_a: int
+    b_e: int
+    prefill: tuple[int, int, int]  # tps, b_a, b_e
+    prefetch: int
+    resident: frozenset[str]
+
+    def knobs(self, phase: str, streams: bool) -> Knobs:
+        """The schedule's knobs for `phase`; without an arena every weight is read in place."""
+        if phase not in ("decode", "prefill"):
+            raise ValueError(f"phase {phase!r}: decode or prefill")
+        b_a, b_e = (self.b_a, self.b_e) if phase == "decode" else self.prefill[1:]
+        return Knobs(b_a, b_e, self.prefetch, self.resident if streams else frozenset({"all"}))
+
+
+def choice_of(plan: dict[str, Any]) -> Choice:
+    """The configuration a plan carries (a hand-edited plan's too)."""
+    d, p, arena = plan["batch"]["decode"], plan["batch"]["prefill"], plan.get("arena")
+    return Choice(int(d["B"]), int(d["b_a"]), int(d["b_e"]),
+                  (int(p["tokens_per_step"]), int(p["b_a"]), int(p["b_e"])),
+                  int(arena["expert_slots"]) - 1 if arena else 1,
+                  frozenset(arena["resident"]) if arena else frozenset())
+
+
+def streams_of(plan: dict[str, Any]) -> bool:
+    """Whether the plan runs weights and KV through a device arena."""
+    return plan.get("arena") is not None
+
+
+def workload_of(plan: dict[str, Any]) -> Workload:
+    """The workload the plan was sized for."""
+    wl = plan["batch"]["workload"]
+    return Workload(float(wl["prompt_tokens"]), float(wl["output_tokens"]))
+
+
+@dataclass
+class Prediction:
+    """Both phases' step DAGs for one configuration, and the rates they predict."""
+
+    workload: Workload
+    B: int
+    tps: int
+    decode: Schedule
+    prefill: Schedule
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.B / self.decode.seconds
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.tps / self.prefill.seconds
+
+    @property
+    def job_tokens_per_s(self) -> float:
+        """Generated tokens per second of a request's share of both phases' steps."""
+        wl = self.workload
+        per_request = wl.output_tokens / self.decode_tokens_per_s + wl.prompt_tokens / self.prefill_tokens_per_s
+        return wl.output_tokens / per_request
+
+    def rates(self) -> dict[str, float]:
+        return {"decode_tokens_per_s": self.decode_tokens_per_s,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "job_tokens_per_s": self.job_tokens_per_s}
+
+    def timeline(self) -> dict[str, Any]:
+        """Both DAGs as plain data (what `moecc explain --timeline` draws)."""
+        return {"decode": {"B": self.B, "tokens": self.B, **to_data(self.decode)},
+                "prefill": {"B": self.prefill_seqs, "tokens": self.tps, **to_data(self.prefill)}}
+
+    @property
+    def prefill_seqs(self) -> int:
+        return self.workload.prefill_shape(self.tps).S
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What a step costs on `rates` for the model `cost`, in one execution mode (`streams`:
+    weights and KV through a device arena; else read in place, KV gathered by compute)."""
+
+    cost: ModelCost
+    rates: Rates
+    streams: bool
+
+    @property
+    def mode(self) -> str:
+        return mode_of(self.streams)
+
+    def step(self, shape: StepShape, knobs: Knobs) -> Schedule:
+        """The step's job DAG and its critical path."""
+        if knobs.streams != self.streams:
+            raise ValueError(f"knobs for {mode_of(knobs.streams)} weights given to a {self.mode} cost model")
+        return build_schedule(self.cost, self.rates, shape, knobs)
+
+    def predict(self, workload: Workload, choice: Choice) -> Prediction:
+        """Both phases' DAGs for `choice` at the workload's step shapes."""
+        dec = self.step(workload.decode_shape(choice.B), choice.knobs("decode", self.streams))
+        pre = self.step(workload.prefill_shape(choice.prefill[0]), choice.knobs("prefill", self.streams))
+        return Prediction(workload, choice.B, choice.prefill[0], dec, pre)
+
+    # -- per-layer job times (seconds): the terms of the solver's linear program ---------
+
+    def attention_s(self, shape: StepShape, b_a: int) -> list[float]:
+        """Each layer's attention micro-batches (calibrated; without the copies they steal from)."""
+        c, r = self.cost, self.rates
+        return [attn_layer_seconds(lc, r, c.dtype, shape, b_a, not self.streams) for lc in c.layers]
+
+    def ffn_s(self, T: float, b_e: int) -> list[float]:
+        """Each layer's router and experts (or dense MLP) over T rows in chunks of b_e."""
+        c, r = self.cost, self.rates
+        return [ffn_layer_seconds(lc, r, c.dtype, T, b_e, self.mode) for lc in c.layers]
+
+    def head_s(self, rows: int) -> float:
+        return head_seconds(self.cost, self.rates, rows, self.mode)
+
+    def kv_load_s(self, shape: StepShape) -> tuple[list[float], list[float]]:
+        """Each layer's KV loads (the stores are the compute thread's, inside attention), as
+        calibrated and at bytes / rate; all 0 without an arena."""
+        r = self.rates
+        raw = [0.0 for _ in self.cost.layers]
+        if self.streams:
+            for i, lc in enumerate(self.cost.layers):
+                load = shape.S * shape.context * lc.kv_bytes_per_ctx
+                raw[i] = load / r.copy_rate("h2d", load) if load > 0 else 0.0
+        return [calibrated(r, self.mode, "kv_load", t) if t > 0 else 0.0 for t in raw], raw
+
+    def fetch_s(self, nbytes: float, jobs: float = 1.0) -> tuple[float, float]:
+        """A fetch of `nbytes` in `jobs` copy jobs, as calibrated and at bytes / rate."""
+        if not nbytes:
+            return 0.0, 0.0
+        t = nbytes / self.rates.copy_rate("h2d", nbytes)
+        return calibrated(self.rates, self.mode, "fetch", t, jobs), t

@@ -1,0 +1,319 @@
+"""`moecc exec`: run a plan over a JSONL file of requests (moecc's simple form or OpenAI's
+Batch API form) and write one result line per request as it finishes.
+
+What a long job can count on:
+  * results are appended as each request finishes and handed to the OS at once; the files
+    are fsync'ed every few seconds and at exit (job/results.py);
+  * a bad request fails alone: it becomes an error record (file, line, field) in the errors
+    file and on stderr, the others run, and the summary and exit status say how many failed;
+  * `resume=True` skips the requests an earlier run already wrote (results and errors,
+    after cutting a torn last line), so a killed job resumed ends with each request once;
+  * with `handle_signals`, the first Ctrl-C (SIGINT) stops admitting requests and lets those
+    in flight finish, a second one (or SIGTERM) stops after the current step; either way the
+    finished results are on disk and the job is resumable.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from moecc_runtime.engine import Engine, generate
+from moecc_runtime.job.progress import Progress
+from moecc_runtime.job.requests import Request, RequestError, iter_requests
+from moecc_runtime.job.results import Done, ResultWriter, error_key, scan_done
+from moecc_runtime.plan import PlanError, check_checkpoint, load_plan
+from moecc_runtime.scheduler.sequence import GenRequest, GenResult
+from moecc_runtime.tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass
+class JobSummary:
+    requests: int = 0  # lines with a request (or a bad line) in the input
+    succeeded: int = 0
+    failed: int = 0
+    skipped: int = 0  # already done by an earlier run (resume)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0  # engine time (model load to last step)
+    wall_seconds: float = 0.0  # the whole job, reading the input included
+    status: str = "done"  # "done" | "interrupted" (stopped early; resumable)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)  # files whose torn last line was cut on resume
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineStats as plain data
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def unfinished(self) -> int:
+        return self.requests - self.succeeded - self.failed - self.skipped
+
+    def report(self) -> str:
+        """The end-of-run summary line."""
+        text = (f"{self.succeeded} ok, {self.failed} failed" + (f", {self.skipped} already done" if self.skipped else "")
+                + (f", {self.unfinished} not run (interrupted; rerun with --resume)" if self.unfinished > 0 else "")
+                + f" of {self.requests} requests; tokens in {self.prompt_tokens}, out {self.completion_tokens}; "
+                f"wall {self.wall_seconds:.2f}s; {self.tokens_per_second:.1f} tok/s generated")
+        return text
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class _Signals:
+    """SIGINT: drain (first), stop (second); SIGTERM: stop. Installed only in the main thread."""
+
+    def __init__(self, log: IO[str] | None, enabled: bool):
+        self.mode = "run"
+        self.log = log
+        self._old: dict[int, Any] = {}
+        if enabled and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.mode == "run":
+            self.mode = "drain"
+            msg = "interrupt: admitting no more requests, finishing those in flight (Ctrl-C again to stop now)"
+        else:
+            self.mode = "stop"
+            msg = "stopping after this step; finished results are written (rerun with --resume)"
+        if self.log is not None:
+            print(f"moecc: {msg}", file=self.log, flush=True)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def run_job(
+    plan_path: str | Path,
+    prompts_path: str | Path,
+    output: IO[str] | str | Path,
+    *,
+    errors_path: str | Path | None = None,
+    model_dir: str | Path | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    device: str | None = None,
+    max_batch: int | None = None,
+    log: IO[str] | None = sys.stderr,
+    stats_path: str | Path | None = None,
+    fmt: str = "moecc",
+    resume: bool = False,
+    progress: str = "quiet",
+    handle_signals: bool = False,
+    ray: Any = None,
+) -> JobSummary:
+    """Run every request of `prompts_path` through the plan, writing results to `output` (a
+    stream, or a path: appended to with `resume`, else replaced) as they finish, in `fmt`
+    ("moecc" or "openai"). `progress`: "auto", "rich", "plain" or "quiet". With
+    `stats_path`, write the job summary and per-step engine records (JSON). With `ray`
+    (distributed.RayOptions), the requests run on a pool of Ray actors instead of here."""
+    wall0 = time.perf_counter()
+    plan = load_plan(plan_path)
+    mdir = check_checkpoint(plan, model_dir)
+    planned_B = int(plan["batch"]["decode"]["B"])
+    if plan.get("arena") and max_batch is not None and max_batch > planned_B:
+        raise PlanError(f"--max-batch {max_batch} exceeds the B={planned_B} the plan sized its device arena for "
+                        f"(staging for B + prefill rows); recompile with `moecc compile ... --max-batch {max_batch}`")
+    if resume and not isinstance(output, (str, Path)):
+        raise ValueError("resume needs the output file's path (results are appended to it)")
+    summary = JobSummary()
+    done = Done()
+    if resume:
+        done = scan_done(Path(output), Path(errors_path) if errors_path else None)
+        summary.repaired = done.repaired
+        if log is not None:
+            for p in done.repaired:
+                print(f"moecc: {p}: cut a torn last line left by an interrupted run", file=log)
+    tok = Tokenizer(mdir)
+    out_file = open(output, "a" if resume else "w", encoding="utf-8") if isinstance(output, (str, Path)) else output
+    writer = ResultWriter(out_file, Path(errors_path) if errors_path else None, fmt,
+                          model=Path(str(plan["model"]["dir"])).name, append_errors=resume)
+    try:
+        runner = _run if ray is None else _run_ray
+        return runner(plan, mdir, prompts_path, writer, tok, summary, done, wall0, max_tokens=max_tokens,
+                      device=device, max_batch=max_batch, log=log, stats_path=stats_path, progress=progress,
+                      handle_signals=handle_signals, **({} if ray is None else {"options": ray}))
+    finally:
+        writer.close()
+        if out_file is not output:
+            out_file.close()
+
+
+class Job:
+    """The bookkeeping a job shares between the local runner and the Ray one: reading and
+    validating its requests (skipping what a resumed job already did), writing results and
+    errors as they come, the summary and the progress display."""
+
+    def __init__(self, plan: dict[str, Any], prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
+                 summary: JobSummary, done: Done, log: IO[str] | None, max_tokens: int):
+        self.plan, self.prompts_path, self.writer, self.tok = plan, prompts_path, writer, tok
+        self.summary, self.done, self.log, self.max_tokens = summary, done, log, max_tokens
+        self.apis: dict[str, tuple[str, str | None, tuple[str, ...]]] = {}  # custom_id -> (api, model, stop)
+        self.lines: dict[str, int] = {}  # custom_id -> input line
+        self.prog: Progress | None = None
+
+    def read(self) -> list[GenRequest]:
+        """The requests still to run, encoded; bad lines and unencodable prompts fail here."""
+        context = int(self.plan["model"]["info"]["max_position_embeddings"])
+        vocab = int(self.plan["model"]["info"]["vocab_size"])
+        out: list[GenRequest] = []
+        for item in iter_requests(self.prompts_path):
+            self.summary.requests += 1
+            if isinstance(item, RequestError):
+                rec = item.to_record()
+                if error_key(rec) in self.done.errors:
+                    self.summary.skipped += 1
+                    continue
+                self.fail(rec, str(item), item.api)
+                continue
+            if item.custom_id in self.done.results or f"line:{item.line}" in self.done.errors:
+                self.summary.skipped += 1
+                continue
+            try:
+                out.append(_encode(item, self.tok, context, self.max_tokens, vocab))
+                self.lines[item.custom_id] = item.line
+                self.apis[item.custom_id] = (item.api, item.model, item.stop)
+            except ValueError as e:
+                field_ = "prompt" if item.prompt is not None else "messages"
+                if item.api != "simple":
+                    field_ = "body." + field_
+                rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": field_, "message": str(e)}}
+                self.fail(rec, f"{self.prompts_path}:{item.line}: {e}", item.api)
+        return out
+
+    def start_progress(self, requests: list[GenRequest], mode: str) -> Progress:
+        expected = sum(r.max_tokens for r in requests) / max(1, len(requests))
+        self.prog = Progress(len(requests), expected, self.plan.get("predicted", {}).get("job_tokens_per_s"),
+                             mode=mode, stream=self.log or sys.stderr)
+        return self.prog
+
+    def fail(self, record: dict[str, Any], text: str, api: str = "simple") -> None:
+        self.summary.failed += 1
+        self.summary.errors.append(record)
+        if self.log is not None:
+            if self.prog is not None:
+                self.prog.log(f"error: {text}")
+            else:
+                print(f"error: {text}", file=self.log)
+        self.writer.error(record, api)
+        if self.prog is not None:
+            self.prog.request(False)
+
+    def finished(self, r: GenResult) -> None:
+        """Write a finished request's result (its text cut at the first stop string)."""
+        api, model, stop = self.apis[r.key]
+        text = self.tok.output_text(r.token_ids, stop)
+        self.summary.succeeded += 1
+        self.summary.prompt_tokens += len(r.prompt_ids)
+        self.summary.completion_tokens += len(r.token_ids)
+        self.writer.result(r.key, api, text, r.token_ids, r.finish_reason, len(r.prompt_ids), model)
+        if self.prog is not None:
+            self.prog.request(True, len(r.token_ids))
+
+    def failed(self, r: GenRequest, message: str) -> None:
+        """A request the engine could not run (it needs more KV than the whole pool)."""
+        line = self.lines.get(r.key)
+        api = self.apis.get(r.key, ("simple", None, ()))[0]
+        self.fail({"custom_id": r.key, "error": {"line": line, "field": "max_tokens" if api == "simple" else
+                                                 "body.max_tokens", "message": message}},
+                  f"{self.prompts_path}:{line}: {message}", api)
+
+    def control(self, signals: "_Signals") -> str:
+        """What the runner should do now (see generate's `control`), noted on the progress."""
+        if signals.mode == "drain" and self.prog is not None and self.prog.note == "":
+            self.prog.set_note("interrupted: finishing requests in flight")
+        return signals.mode
+
+    def end(self, outcome: str | None, signals: "_Signals", start: float, wall0: float, engine: dict[str, Any],
+            stats_path: str | Path | None) -> None:
+        """Close the run: status, timings, engine figures, progress, signal handlers, stats file."""
+        if outcome != "done":
+            self.summary.status = "interrupted"
+        signals.restore()
+        if self.prog is not None:
+            self.prog.close()
+        self.summary.seconds = time.perf_counter() - start
+        self.summary.wall_seconds = time.perf_counter() - wall0
+        self.summary.engine = engine
+        if stats_path is not None:
+            import json
+
+            Path(stats_path).write_text(json.dumps(asdict(self.summary), indent=1) + "\n", encoding="utf-8")
+
+
+def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
+         summary: JobSummary, done: Done, wall0: float, *, max_tokens: int, device: str | None,
+         max_batch: int | None, log: IO[str] | None, stats_path: str | Path | None, progress: str,
+         handle_signals: bool) -> JobSummary:
+    job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens)
+    requests = job.read()
+    prog = job.start_progress(requests, progress)
+    signals = _Signals(log, handle_signals)
+    start = time.perf_counter()
+    engine = Engine(plan, mdir, pick_device(device), record_steps=stats_path is not None)
+
+    outcome = None
+    try:
+        outcome = generate(engine, requests, job.finished, max_batch=max_batch, on_error=job.failed,
+                           stop_check=tok.stop_check, control=lambda: job.control(signals), on_step=prog.step)
+    finally:
+        stats = asdict(engine.stats)
+        stats["overlap_efficiency"] = engine.stats.overlap_efficiency
+        try:
+            job.end(outcome, signals, start, wall0, stats, stats_path)
+        finally:
+            engine.close()
+    return summary
+
+
+def _run_ray(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
+             summary: JobSummary, done: Done, wall0: float, *, max_tokens: int, device: str | None,
+             max_batch: int | None, log: IO[str] | None, stats_path: str | Path | None, progress: str,
+             handle_signals: bool, options: Any) -> JobSummary:
+    from moecc_runtime.job.distributed import import_ray, run_on_ray
+
+    import_ray()  # fail before reading anything when Ray is not installed
+    job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens)
+    requests = job.read()
+    job.start_progress(requests, progress)
+    signals = _Signals(log, handle_signals)
+    start = time.perf_counter()
+    dev = pick_device(device).type
+    outcome = None
+    try:
+        outcome = run_on_ray(job, requests, plan, mdir, device=dev, max_batch=max_batch, options=options,
+                             control=lambda: job.control(signals))
+    finally:
+        job.end(outcome, signals, start, wall0, {"ray": {"address": options.address, "workers": options.workers}},
+                stats_path)
+    return summary
+
+
+def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab: int) -> GenRequest:
+    ids = tok.encode_request(req)
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the model's vocabulary of {vocab}")
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    if len(ids) >= context:
+        raise ValueError(f"prompt is {len(ids)} tokens, the model's context is {context}; "
+                         f"shorten it to at most {context - 1} tokens")
+    max_new = min(req.max_tokens or default_max, context - len(ids))
+    return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop)

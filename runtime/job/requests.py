@@ -1,0 +1,426 @@
+"""Reading and validating JSONL request files for ``moecc exec``.
+
+Each non-blank line of the file is one JSON object, in the simple form::
+
+    {"custom_id": "a", "prompt": "Hello", "max_tokens": 32, "stop": ["\n\n"]}
+    {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 1}
+
+or in OpenAI's Batch API form (the two may be mixed)::
+
+    {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [...], "max_completion_tokens": 64, "stop": "END"}}
+    {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}}
+
+A bad line never stops the others: it becomes a :class:`RequestError` naming the
+file, the 1-based line number and the offending field, while every other line is
+still parsed into a :class:`Request`. Only the standard library is used here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "KNOWN_FIELDS",
+    "Request",
+    "RequestError",
+    "RequestFieldError",
+    "iter_request_lines",
+    "iter_requests",
+    "parse_request",
+    "read_requests",
+]
+
+KNOWN_FIELDS: tuple[str, ...] = (
+    "custom_id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+)
+#: OpenAI Batch API lines: these top-level fields, and a body with these parameters
+BATCH_FIELDS: tuple[str, ...] = ("custom_id", "method", "url", "body")
+BATCH_URLS: dict[str, str] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+BODY_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n"),
+    "completions": ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
+}
+MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
+_MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
+_NOT_YET_SUPPORTED = frozenset({"logprobs", "top_logprobs", "stream", "tools", "response_format", "echo",
+                                "best_of", "logit_bias", "presence_penalty", "frequency_penalty", "suffix"})
+_SEED_LIMIT = 2**64  # torch.manual_seed accepts seeds in [0, 2**64)
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated request; exactly one of ``prompt`` / ``messages`` is set."""
+
+    line: int  # 1-based line number in the file
+    custom_id: str
+    prompt: str | tuple[int, ...] | None  # text, or token ids (as OpenAI's completions API accepts)
+    messages: tuple[dict[str, str], ...] | None
+    max_tokens: int | None = None  # None -> the caller's default
+    temperature: float = 0.0  # 0.0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # generation stops when the output text contains one of these
+    api: str = "simple"  # the line's form: "simple", or the Batch API's "chat" / "completions"
+    model: str | None = None  # the Batch API body's "model" (echoed in the output)
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """A line that could not be turned into a :class:`Request`."""
+
+    path: str
+    line: int
+    field: str | None  # e.g. "max_tokens", "messages[2].content"; None for whole-line problems
+    message: str
+    custom_id: str | None  # when it could be read
+    api: str = "simple"  # the line's form, when it could be told (for the error's output format)
+
+    def __str__(self) -> str:
+        where = f"{self.path}:{self.line}"
+        return f"{where}: field '{self.field}': {self.message}" if self.field else f"{where}: {self.message}"
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-serialisable record for an errors file."""
+        return {
+            "custom_id": self.custom_id,
+            "error": {"line": self.line, "field": self.field, "message": self.message},
+        }
+
+
+class RequestFieldError(Exception):
+    """Raised by :func:`parse_request` for an invalid object; ``field`` is None for whole-object problems."""
+
+    def __init__(self, field: str | None, message: str, custom_id: str | None = None) -> None:
+        super().__init__(f"field '{field}': {message}" if field else message)
+        self.field = field
+        self.message = message
+        self.custom_id = custom_id
+        self.api = "simple"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _describe(value: object) -> str:
+    """A short human description of a JSON value, e.g. ``int 5``, ``'ten'``, ``null``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"bool {'true' if value else 'false'}"
+    if isinstance(value, int):
+        return f"int {value}" if value.bit_length() <= 128 else f"int with {value.bit_length()} bits"
+    if isinstance(value, float):
+        return f"float {value!r}"
+    if isinstance(value, str):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    if isinstance(value, list):
+        return f"array of {len(value)} item{'s' if len(value) != 1 else ''}"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _check_str(value: object, field: str, *, allow_empty: bool = True) -> str:
+    """Return ``value`` if it is a (non-empty, when required) string encodable as UTF-8."""
+    if not isinstance(value, str):
+        raise RequestFieldError(field, f"expected a string, got {_describe(value)}")
+    if not allow_empty and not value:
+        raise RequestFieldError(field, "must not be empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestFieldError(
+            field, f"contains an unpaired surrogate escape at character {exc.start}"
+        ) from None
+    return value
+
+
+def _check_prompt(value: object) -> str | tuple[int, ...]:
+    """A prompt is a non-empty string or a non-empty list of token ids (ints >= 0)."""
+    if isinstance(value, list):
+        if not value:
+            raise RequestFieldError("prompt", "must not be empty")
+        for i, t in enumerate(value):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise RequestFieldError("prompt", f"token list item {i}: expected a token id >= 0, got {_describe(t)}")
+        return tuple(value)
+    if not isinstance(value, str):
+        raise RequestFieldError("prompt", f"expected a string or a list of token ids, got {_describe(value)}")
+    return _check_str(value, "prompt", allow_empty=False)
+
+
+def _check_int(value: object, field: str, *, lo: int | None, hi: int | None, expected: str) -> int:
+    """Return ``value`` if it is an int (not a bool) with ``lo <= value < hi``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestFieldError(field, f"expected {expected}, got {_describe(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value >= hi):
+        raise RequestFieldError(field, f"expected {expected}, got {_describe(value)}")
+    return value
+
+
+def _check_float(value: object, field: str, *, expected: str, ok: Callable[[float], bool]) -> float:
+    """Return ``value`` as a finite float if it is a number (not a bool) satisfying ``ok``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestFieldError(field, f"expected {expected}, got {_describe(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or not ok(number):
+        raise RequestFieldError(field, f"expected {expected}, got {_describe(value)}")
+    return number
+
+
+def _check_messages(value: object) -> tuple[dict[str, str], ...]:
+    """Validate a chat ``messages`` list; returns fresh ``{"role", "content"}`` dicts."""
+    if not isinstance(value, list):
+        raise RequestFieldError(
+            "messages", f"expected an array of {{\"role\", \"content\"}} objects, got {_describe(value)}"
+        )
+    if not value:
+        raise RequestFieldError("messages", "must not be empty")
+    messages = []
+    for i, item in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise RequestFieldError(where, f"expected an object with 'role' and 'content', got {_describe(item)}")
+        for key in item:
+            if key not in _MESSAGE_FIELDS:
+                raise RequestFieldError(f"{where}.{key}", f"unknown field '{key}' (known: role, content)")
+        for key in _MESSAGE_FIELDS:
+            if key not in item:
+                raise RequestFieldError(f"{where}.{key}", "missing required field")
+        role = _check_str(item["role"], f"{where}.role", allow_empty=False)
+        content = _check_str(item["content"], f"{where}.content")
+        messages.append({"role": role, "content": content})
+    return tuple(messages)
+
+
+def _check_stop(value: object, field: str) -> tuple[str, ...]:
+    """A stop sequence (non-empty string) or a list of at most MAX_STOP_SEQUENCES of them."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise RequestFieldError(field, f"expected a string or an array of strings, got {_describe(value)}")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise RequestFieldError(field, f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(items)}")
+    where = (lambda i: field) if isinstance(value, str) else (lambda i: f"{field}[{i}]")
+    return tuple(_check_str(s, where(i), allow_empty=False) for i, s in enumerate(items))
+
+
+def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
+    """max_tokens, temperature, top_p, top_k, seed and stop of a simple line or a Batch API body."""
+    out: dict[str, Any] = {}
+    if "max_tokens" in obj:
+        out["max_tokens"] = _check_int(obj["max_tokens"], prefix + "max_tokens", lo=1, hi=None,
+                                       expected="an integer >= 1")
+    if "max_completion_tokens" in obj:
+        out["max_tokens"] = _check_int(obj["max_completion_tokens"], prefix + "max_completion_tokens", lo=1,
+                                       hi=None, expected="an integer >= 1")
+    if "temperature" in obj:
+        out["temperature"] = _check_float(obj["temperature"], prefix + "temperature",
+                                          expected="a number >= 0 (0 means greedy)", ok=lambda t: t >= 0)
+    if "top_p" in obj:
+        out["top_p"] = _check_float(obj["top_p"], prefix + "top_p", expected="a number in (0, 1]",
+                                    ok=lambda p: 0 < p <= 1)
+    if "top_k" in obj:
+        out["top_k"] = _check_int(obj["top_k"], prefix + "top_k", lo=0, hi=None,
+                                  expected="an integer >= 0 (0 means off)")
+    if "seed" in obj:
+        out["seed"] = _check_int(obj["seed"], prefix + "seed", lo=0, hi=_SEED_LIMIT,
+                                 expected="an integer in [0, 2**64)")
+    if "stop" in obj and obj["stop"] is not None:
+        out["stop"] = _check_stop(obj["stop"], prefix + "stop")
+    return out
+
+
+def _unknown(obj: dict, known: tuple[str, ...], prefix: str = "") -> None:
+    unknown = [key for key in obj if key not in known]
+    if unknown:
+        names = ", ".join(f"'{prefix}{k}'" for k in unknown)
+        hint = " (not supported by moecc)" if unknown[0] in _NOT_YET_SUPPORTED else ""
+        plural = "s" if len(unknown) > 1 else ""
+        raise RequestFieldError(prefix + unknown[0], f"unknown field{plural} {names}{hint} "
+                                f"(known: {', '.join(known)})")
+
+
+def _prefixed(prefix: str, check: Callable[[], Any]) -> Any:
+    """Run a field check whose errors name fields relative to `prefix` (e.g. "body.")."""
+    try:
+        return check()
+    except RequestFieldError as exc:
+        raise RequestFieldError(prefix + exc.field if exc.field else prefix.rstrip("."), exc.message) from None
+
+
+def _parse_batch_line(obj: dict, line: int, custom_id: str) -> Request:
+    """An OpenAI Batch API line: method POST, a supported url, a body of its parameters."""
+    _unknown(obj, BATCH_FIELDS)
+    if "custom_id" not in obj:
+        raise RequestFieldError("custom_id", "missing required field (every Batch API line has one)")
+    if obj.get("method") != "POST":
+        raise RequestFieldError("method", f"expected \"POST\", got {_describe(obj.get('method'))}")
+    url = obj.get("url")
+    if not isinstance(url, str) or url not in BATCH_URLS:
+        raise RequestFieldError("url", f"expected one of {', '.join(BATCH_URLS)}, got {_describe(url)}")
+    api = BATCH_URLS[url]
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RequestFieldError("body", f"expected an object of request parameters, got {_describe(body)}")
+    _unknown(body, BODY_FIELDS[api], "body.")
+    if "n" in body and (isinstance(body["n"], bool) or body["n"] != 1):
+        raise RequestFieldError("body.n", f"only n = 1 is supported, got {_describe(body['n'])}")
+    model = _check_str(body["model"], "body.model") if "model" in body else None
+    if api == "chat":
+        if "messages" not in body:
+            raise RequestFieldError("body.messages", "missing required field for /v1/chat/completions")
+        messages, prompt = _prefixed("body.", lambda: _check_messages(body["messages"])), None
+    else:
+        if "prompt" not in body:
+            raise RequestFieldError("body.prompt", "missing required field for /v1/completions")
+        prompt, messages = _prefixed("body.", lambda: _check_prompt(body["prompt"])), None
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise RequestFieldError("body.max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    knobs = _sampling(body, "body.")
+    return Request(line=line, custom_id=custom_id, prompt=prompt, messages=messages, api=api, model=model, **knobs)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_request(obj: object, *, path: str, line: int) -> Request:
+    """Validate one decoded JSON value into a :class:`Request`.
+
+    Raises :class:`RequestFieldError` (with the ``custom_id`` when it could be read).
+    ``path`` is accepted for symmetry with the file readers; errors carry no path.
+    """
+    del path  # errors are located by the caller, which knows the file
+    if not isinstance(obj, dict):
+        raise RequestFieldError(None, f"expected a JSON object, got {_describe(obj)}")
+
+    custom_id: str | None = None
+    try:
+        if "custom_id" in obj:
+            custom_id = _check_str(obj["custom_id"], "custom_id", allow_empty=False)
+        else:
+            custom_id = f"request-{line}"
+        if any(key in obj for key in ("method", "url", "body")):
+            try:
+                return _parse_batch_line(obj, line, custom_id)
+            except RequestFieldError as exc:
+                url = obj.get("url")
+                exc.api = BATCH_URLS.get(url, "chat") if isinstance(url, str) else "chat"
+                raise
+        _unknown(obj, KNOWN_FIELDS)
+        has_prompt, has_messages = "prompt" in obj, "messages" in obj
+        if has_prompt and has_messages:
+            raise RequestFieldError("messages", "give exactly one of 'prompt' or 'messages', not both")
+        if not (has_prompt or has_messages):
+            raise RequestFieldError(None, "missing 'prompt' or 'messages' (exactly one is required)")
+        prompt = _check_prompt(obj["prompt"]) if has_prompt else None
+        messages = _check_messages(obj["messages"]) if has_messages else None
+        knobs = _sampling(obj)
+    except RequestFieldError as exc:
+        exc.custom_id = custom_id
+        raise
+
+    return Request(line=line, custom_id=custom_id, prompt=prompt, messages=messages, **knobs)
+
+
+class _BadJson(ValueError):
+    """Raised from json hooks for valid-but-unwanted JSON (NaN, duplicate keys)."""
+
+
+def _reject_constant(name: str) -> object:
+    raise _BadJson(f"{name} is not allowed (only finite numbers)")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _BadJson(f"duplicate key '{key}' in a JSON object")
+        obj[key] = value
+    return obj
+
+
+def _decode_line(raw: bytes) -> object:
+    """Decode one line's bytes into a JSON value, raising RequestFieldError(None, ...) on failure."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestFieldError(None, f"invalid UTF-8 at byte {exc.start + 1} of the line") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as exc:
+        raise RequestFieldError(None, f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+    except _BadJson as exc:
+        raise RequestFieldError(None, f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise RequestFieldError(None, "malformed JSON: nested too deeply") from None
+    except ValueError as exc:  # e.g. integers longer than Python's int/str digit limit
+        raise RequestFieldError(None, f"malformed JSON: {exc}") from None
+
+
+def iter_request_lines(lines: Iterable[bytes], *, path: str = "<input>") -> Iterator[Request | RequestError]:
+    """Parse JSONL from an iterable of byte lines (as from a binary file), in order.
+
+    Lines may end in ``\\n`` or ``\\r\\n``; blank lines are skipped; a UTF-8 BOM on
+    line 1 is ignored. Never raises for bad content: bad lines yield RequestError.
+    """
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        raw = raw.rstrip(b"\n").rstrip(b"\r")
+        if number == 1 and raw.startswith(_UTF8_BOM):
+            raw = raw[len(_UTF8_BOM):]
+        if not raw.strip():
+            continue
+        try:
+            request = parse_request(_decode_line(raw), path=path, line=number)
+        except RequestFieldError as exc:
+            if exc.custom_id is not None and exc.custom_id not in seen:
+                seen[exc.custom_id] = number  # its outputs would also be keyed by this id
+            yield RequestError(path, number, exc.field, exc.message, exc.custom_id, exc.api)
+            continue
+        first = seen.setdefault(request.custom_id, number)
+        if first != number:
+            yield RequestError(
+                path, number, "custom_id",
+                f"duplicate custom_id '{request.custom_id}' (first seen on line {first})", request.custom_id,
+                request.api,
+            )
+        else:
+            yield request
+
+
+def iter_requests(path: str | os.PathLike[str]) -> Iterator[Request | RequestError]:
+    """Stream requests and errors from a JSONL file, reading bytes line by line.
+
+    The file is opened eagerly, so a missing file or a directory raises its
+    ``OSError`` (FileNotFoundError, IsADirectoryError, ...) here, naming the path.
+    """
+    name = os.fspath(path)
+    with open(name, "rb"):
+        pass  # surface OSErrors now rather than on the first next()
+
+    def generate() -> Iterator[Request | RequestError]:
+        with open(name, "rb") as f:
+            yield from iter_request_lines(f, path=name)
+
+    return generate()
+
+
+def read_requests(path: str | os.PathLike[str]) -> tuple[list[Request], list[RequestError]]:
+    """Read a whole JSONL file into (valid requests, errors), each in file order."""
+    requests: list[Request] = []
+    errors: list[RequestError] = []
+    for item in iter_requests(path):
+        (requests if isinstance(item, Request) else errors).append(item)
+    return requests, errors

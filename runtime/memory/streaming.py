@@ -1,0 +1,415 @@
+"""Where the worker's weights and gathered KV live during a step, and how they get there.
+
+Legend: Hkv = key-value heads, nb = KV blocks gathered, bs = block size, D = head dim.
+
+Two policies with one interface (`enter`, `get`, `experts`; `KVStaging.submit/acquire/release`):
+  * InPlace (no device budget in the plan): weights are read where they are (the mmap on
+    a CPU; fetched once and kept on CUDA), KV is gathered on the compute thread;
+  * Streamed (the plan has an arena): every device-resident tensor is carved from the
+    arena. Weight groups the plan keeps resident are copied in once at start-up; every
+    other module's dense weights go through two dense slots (the next streamed module is
+    fetched while the current one computes, cyclically across steps); experts go through
+    `expert_slots` slots, fetched `expert_slots - 1` ahead in the order compute uses them,
+    and only experts some token chose; the KV of attention micro-batches goes through two
+    buffers (micro-batch j+1, or the next layer's first, is gathered while j computes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from moecc_runtime.memory.arena import ALIGN, ArenaError, DeviceArena, Region, align
+from moecc_runtime.memory.copy_engine import CopyEngine, CopyError, Ticket
+from moecc_runtime.memory.kv import KVPool
+from moecc_runtime.memory.weights import WeightError, WeightStore
+from moecc_runtime.worker import kernels
+
+ExpertWeights = tuple[torch.Tensor, ...]  # in kernels.expert_parts order: gate, up, down (or gpt-oss's four)
+
+
+def module_group(module: dict) -> str | None:
+    """The planner's residency group of a module's non-expert weights (None: host only)."""
+    kind, layer = module["kind"], module["layer"]
+    if kind == "head":
+        return "head"
+    if kind == "attn":
+        return f"L{layer}.attn"
+    if layer is None:
+        return None  # the stem (embedding) runs on the host
+    return f"L{layer}.dense"
+
+
+def dense_keys(module: dict) -> list[str]:
+    return [k for op in module["ops"] if op["op"] != "experts" for k in op["weights"].values()]
+
+
+def expert_keys(op: dict, e: int) -> list[str]:
+    """Plan weight keys of expert `e` of an experts op, in the order its MLP takes them."""
+    return [op["weights"][f"e{e}.{part}"] for part in kernels.expert_parts(op["attrs"])]
+
+
+class InPlaceWeights:
+    """No arena: read weights where they are."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+
+    def enter(self, index: int) -> None:
+        pass
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.store.get(key)
+
+    def experts(self, op: dict, used: list[int]) -> Iterator[ExpertWeights]:
+        for e in used:
+            yield tuple(self.store.get(k) for k in expert_keys(op, e))  # type: ignore[misc]
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Slot:
+    index: int
+    region: Region
+    offset: int
+    nbytes: int
+    unit: Any = None  # what it holds (module index or (op, expert)); None when free
+    release: Any = None  # CUDA event recorded when compute last used it
+
+
+class _SlotPool:
+    def __init__(self, region: Region, n: int, slot_bytes: int):
+        self.slots = [_Slot(i, region, i * slot_bytes, slot_bytes) for i in range(n)]
+        self._free = deque(self.slots)
+
+    def acquire(self, unit: Any) -> tuple[_Slot, bool]:
+        """A slot for `unit`: a free one that still holds it (True: nothing to copy), else
+        the least recently freed (which keeps recent units around for reuse)."""
+        held = next((s for s in self._free if s.unit == unit), None)
+        if held is not None:
+            self._free.remove(held)
+            return held, True
+        if not self._free:
+            raise RuntimeError("copy engine: no free weight slot (the runtime released too few)")
+        s = self._free.popleft()
+        s.unit = unit
+        return s, False
+
+    def release(self, s: _Slot) -> None:
+        if s.region.base.is_cuda:
+            s.release = torch.cuda.Event()
+            s.release.record(torch.cuda.current_stream())
+        self._free.append(s)
+
+
+class Copier:
+    """Host tensors into arena views, on the copy engine's thread. On CUDA through a pinned
+    staging buffer (one transfer per unit); on a CPU a plain memmove (single-threaded, the
+    GIL released), so page faults on the mmap land on the copy thread, not on compute."""
+
+    def __init__(self, device: torch.device, staging_bytes: int):
+        self.cuda = device.type == "cuda"
+        self.staging = torch.empty(align(staging_bytes), dtype=torch.uint8, pin_memory=True) if self.cuda else None
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: _Slot | None) -> None:
+        """pairs: (host source, arena destination), all destinations inside `slot` (if given)."""
+        if slot is not None and slot.release is not None:
+            slot.release.synchronize()  # compute is done with what the slot held
+            slot.release = None
+        if not self.cuda:
+            for src, dst in pairs:
+                ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+            return
+        assert self.staging is not None
+        for src, dst in pairs:  # stage, then one async copy per tensor from pinned memory
+            n = src.numel() * src.element_size()
+            if n > self.staging.numel():
+                raise CopyError(f"copy engine: {n} B exceed the {self.staging.numel()} B staging buffer")
+            ctypes.memmove(self.staging.data_ptr(), src.data_ptr(), n)
+            dst.view(-1).view(torch.uint8).copy_(self.staging[:n], non_blocking=True)
+            torch.cuda.current_stream().synchronize()  # staging is reused by the next tensor
+
+
+class StreamedWeights:
+    """Weights through the arena (see the module docstring)."""
+
+    def __init__(self, plan: dict, store: WeightStore, arena: DeviceArena, engine: CopyEngine,
+                 copier: Copier):
+        lay = plan["arena"]
+        self.store, self.arena, self.engine, self.copier = store, arena, engine, copier
+        self.schedule = plan["schedule"]
+        self._op_layer = {op["name"]: m.get("layer") for m in self.schedule for op in m["ops"]}
+        resident = set(lay["resident"])
+        self.views: dict[str, torch.Tensor] = {}  # resident key -> arena tensor
+        self._cur: dict[str, torch.Tensor] = {}  # the running module's streamed weights
+        self.units: list[list[str] | None] = []  # per module: streamed dense keys, or None
+        self.resident_experts: set[str] = set()  # expert op names whose experts are resident
+        res_keys: list[str] = []
+        for m in self.schedule:
+            g = module_group(m)
+            keys = dense_keys(m) if g is not None else []
+            if g is not None and g in resident:
+                res_keys += keys
+                self.units.append(None)
+            else:
+                self.units.append(keys or None)
+            for op in m["ops"]:
+                if op["op"] == "experts" and f"L{m['layer']}.experts" in resident:
+                    self.resident_experts.add(op["name"])
+                    res_keys += list(op["weights"].values())
+        self._load_resident(res_keys)
+        self.dense = _SlotPool(arena.region("dense_slots", 2 * int(lay["dense_slot_bytes"])), 2,
+                               int(lay["dense_slot_bytes"]))
+        n = int(lay["expert_slots"])
+        self.expert_pool = _SlotPool(arena.region("expert_slots", n * int(lay["expert_slot_bytes"])), n,
+                                     int(lay["expert_slot_bytes"]))
+        self._pending: dict[int, tuple[_Slot, Ticket, dict[str, torch.Tensor]]] = {}
+        self._holding: _Slot | None = None  # the running module's dense slot
+        self.streamed = [i for i, u in enumerate(self.units) if u]
+
+    # -- resident weights: copied in once -------------------------------------------------
+    def _load_resident(self, keys: list[str]) -> None:
+        keys = list(dict.fromkeys(keys))
+        total = sum(align(self._nbytes(k)) for k in keys)
+        region = self.arena.region("resident", total)
+        off = 0
+        pairs = []
+        for k in keys:
+            src = self.store.host(k)
+            self.views[k] = region.view(off, src.shape, src.dtype, what=f"resident weight {k}")
+            pairs.append((src, self.views[k]))
+            off += align(self._nbytes(k))
+        if pairs:
+            self.engine.submit(f"{len(pairs)} resident weights", total,
+                               lambda: self.copier.copy(pairs, None), kind="fetch").wait()
+
+    def _nbytes(self, key: str) -> int:
+        e = self.store.manifest.get(key)
+        if e is None:
+            raise WeightError(f"weight {key} is not in the plan's manifest (plan and runtime disagree)")
+        return int(e["nbytes"])
+
+    def _place(self, slot: _Slot, keys: list[str], what: str) -> tuple[dict[str, torch.Tensor], list, int]:
+        views, pairs, off = {}, [], 0
+        for k in keys:
+            src = self.store.host(k)
+            if off + align(self._nbytes(k)) > slot.nbytes:
+                raise ArenaError(f"device arena: {what} ({sum(align(self._nbytes(x)) for x in keys)} B) does "
+                                 f"not fit a {slot.nbytes} B slot; recompile the plan")
+            views[k] = slot.region.view(slot.offset + off, src.shape, src.dtype, what=f"{what} weight {k}")
+            pairs.append((src, views[k]))
+            off += align(self._nbytes(k))
+        return views, pairs, off
+
+    def _submit_unit(self, pool: _SlotPool, unit: Any, keys: list[str], what: str, layer: int | None):
+        """Fetch `unit` (its weights `keys`) into a slot of `pool`: (slot, ticket, views). A free
+        slot still holding the unit is reused without a copy."""
+        slot, held = pool.acquire(unit)
+        try:
+            views, pairs, nbytes = self._place(slot, keys, what)
+        except (WeightError, ArenaError):
+            slot.unit = None
+            pool.release(slot)
+            raise
+        if held:
+            return slot, self.engine.submit("cached", 0, lambda: None), views
+        ticket = self.engine.submit(what, nbytes, lambda: self.copier.copy(pairs, slot), kind="fetch", layer=layer)
+        return slot, ticket, views
+
+    # -- dense weights: two slots, the next streamed module fetched while one computes ----
+    def enter(self, index: int) -> None:
+        """Module `index` is about to run: make its weights available, release the previous
+        module's slot, and start fetching the next streamed module's."""
+        if self._holding is not None:
+            self.dense.release(self._holding)
+            self._holding = None
+        self._cur = {}
+        if self.units[index] is not None:
+            if index not in self._pending:
+                self._prefetch(index)
+            slot, ticket, views = self._pending.pop(index)
+            ticket.wait()
+            self._holding, self._cur = slot, views
+        if self.streamed:
+            later = [i for i in self.streamed if i > index] or self.streamed  # cyclic: next step's first
+            nxt = later[0]
+            if nxt != index and nxt not in self._pending:
+                self._prefetch(nxt)
+
+    def _prefetch(self, index: int) -> None:
+        keys = self.units[index]
+        assert keys is not None
+        m = self.schedule[index]
+        self._pending[index] = self._submit_unit(self.dense, index, keys, f"module {m['module']}", m.get("layer"))
+
+    def get(self, key: str) -> torch.Tensor:
+        t = self._cur.get(key)
+        if t is None:
+            t = self.views.get(key)
+        if t is None:
+            raise WeightError(f"weight {key} is neither resident nor fetched for the running module "
+                              f"(the plan's schedule and arena disagree)")
+        return t
+
+    # -- experts: expert_slots slots, fetched ahead in the order compute uses them -------
+    def experts(self, op: dict, used: list[int]) -> Iterator[ExpertWeights]:
+        if op["name"] in self.resident_experts:
+            for e in used:
+                yield tuple(self.views[k] for k in expert_keys(op, e))  # type: ignore[misc]
+            return
+        pool = self.expert_pool
+        todo = deque(used)
+        inflight: deque[tuple[_Slot, Ticket, dict[str, torch.Tensor], int]] = deque()
+
+        def submit() -> None:
+            e = todo.popleft()
+            slot, t, views = self._submit_unit(pool, (op["name"], e), expert_keys(op, e), f"expert {e} of {op['name']}",
+                                               self._op_layer.get(op["name"]))
+            inflight.append((slot, t, views, e))
+
+        try:
+            while todo and len(inflight) < len(pool.slots):
+                submit()
+            while inflight:
+                slot, t, views, e = inflight.popleft()
+                t.wait()
+                yield tuple(views[k] for k in expert_keys(op, e))  # type: ignore[misc]
+                pool.release(slot)
+                if todo:
+                    submit()
+        finally:  # an error mid-way: let queued copies finish before their slots are reused
+            for slot, t, _, _ in inflight:
+                try:
+                    t.wait()
+                except CopyError:
+                    pass
+                pool.release(slot)
+
+    def close(self) -> None:
+        self.engine.drain()
+
+
+@dataclass
+class _KVBuf:
+    k: torch.Tensor  # [Hkv * cap_blocks * bs * D] flat, viewed per micro-batch
+    v: torch.Tensor
+    key: Any = None  # (step, layer, micro-batch) it holds or is being filled with
+    ticket: Ticket | None = None
+    release: Any = None  # CUDA event
+
+
+@dataclass
+class KVStaging:
+    """Gathered KV of attention micro-batches: two buffers, the next one filled while the
+    current computes (through the copy engine), or one buffer filled on the compute thread
+    when there is no copy engine. `cap_blocks`: blocks one buffer holds (None: grows)."""
+
+    kv: KVPool
+    device: torch.device
+    engine: CopyEngine | None = None
+    region: Region | None = None
+    cap_blocks: int | None = None
+    staging: torch.Tensor | None = None  # pinned host bytes (CUDA)
+    bufs: list[_KVBuf] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.region is not None:
+            assert self.cap_blocks is not None
+            item = self.kv.k.element_size()
+            nk, nv = self.k_elems * self.cap_blocks, self.v_elems * self.cap_blocks
+            step = align(nk * item) + align(nv * item)
+            self.bufs = [_KVBuf(self.region.view(i * step, (nk,), self.kv.k.dtype, what="KV buffer"),
+                                self.region.view(i * step + align(nk * item), (nv,), self.kv.k.dtype,
+                                                 what="KV buffer")) for i in range(2)]
+
+    @property
+    def k_elems(self) -> int:
+        return self.kv.k.shape[1] * self.kv.block_size * self.kv.k.shape[4]  # Hkv * bs * D per block
+
+    @property
+    def v_elems(self) -> int:
+        return self.kv.v.shape[1] * self.kv.block_size * self.kv.v.shape[4]  # Hkv * bs * Dv per block
+
+    @staticmethod
+    def region_bytes(kv: KVPool, cap_blocks: int) -> int:
+        """Two buffers of K and V for `cap_blocks` blocks each."""
+        item = kv.k.element_size()
+        per = kv.k.shape[1] * kv.block_size * cap_blocks * item
+        return 2 * (align(per * kv.k.shape[4]) + align(per * kv.v.shape[4]))
+
+    def _shape(self, nb: int, v: bool = False) -> tuple[int, int, int, int]:
+        t = self.kv.v if v else self.kv.k
+        return (t.shape[1], nb, self.kv.block_size, t.shape[4])  # [Hkv, nb, bs, D]
+
+    def submit(self, key: Any, layer: int, blocks: torch.Tensor) -> None:
+        """Start gathering `blocks` of `layer` for `key` into a free buffer (no-op if it
+        already is; with no copy engine, nothing happens until `acquire`)."""
+        if self.engine is None or any(b.key == key for b in self.bufs):
+            return
+        free = [b for b in self.bufs if b.key is None]
+        if not free:
+            return  # both busy: `acquire` fills it when one frees
+        buf = free[0]
+        buf.key = key
+        nb = blocks.numel()
+        if nb > (self.cap_blocks or 0):
+            raise ArenaError(f"device arena: a micro-batch needs {nb} KV blocks but a KV buffer holds "
+                             f"{self.cap_blocks}; the runtime split micro-batches wrongly")
+        hk = buf.k[:nb * self.k_elems].view(self._shape(nb))
+        hv = buf.v[:nb * self.v_elems].view(self._shape(nb, v=True))
+        nbytes = nb * (self.k_elems + self.v_elems) * self.kv.k.element_size()
+        release, buf.release = buf.release, None
+
+        def fill() -> None:
+            if release is not None:
+                release.synchronize()
+            if self.staging is None:
+                self.kv.gather(layer, blocks, hk, hv)
+                return
+            nk, nv = nb * self.k_elems, nb * self.v_elems
+            sk = self.staging.view(self.kv.k.dtype)[:nk].view(self._shape(nb))
+            sv = self.staging.view(self.kv.k.dtype)[nk:nk + nv].view(self._shape(nb, v=True))
+            self.kv.gather(layer, blocks, sk, sv)
+            hk.copy_(sk, non_blocking=True)
+            hv.copy_(sv, non_blocking=True)
+
+        buf.ticket = self.engine.submit(f"KV of layer {layer} ({nb} blocks)", nbytes, fill, kind="kv_load", layer=layer)
+
+    def acquire(self, key: Any, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gathered KV [Hkv, nb, bs, D] x2 for `key` on the compute device."""
+        nb = blocks.numel()
+        if self.engine is None:  # fill one growing buffer on this thread
+            nk, nv = nb * self.k_elems, nb * self.v_elems
+            if not self.bufs or self.bufs[0].k.numel() < nk:
+                grow = 1.25
+                self.bufs = [_KVBuf(torch.empty(int(nk * grow), dtype=self.kv.k.dtype),
+                                    torch.empty(int(nv * grow), dtype=self.kv.k.dtype))]
+            b = self.bufs[0]
+            hk, hv = b.k[:nk].view(self._shape(nb)), b.v[:nv].view(self._shape(nb, v=True))
+            self.kv.gather(layer, blocks, hk, hv)
+            return hk.to(self.device), hv.to(self.device)
+        self.submit(key, layer, blocks)
+        buf = next((b for b in self.bufs if b.key == key), None)
+        if buf is None:  # both buffers busy: should not happen (one is released per micro-batch)
+            raise RuntimeError("KV staging: no free buffer (micro-batch released too late)")
+        assert buf.ticket is not None
+        buf.ticket.wait()
+        return (buf.k[:nb * self.k_elems].view(self._shape(nb)),
+                buf.v[:nb * self.v_elems].view(self._shape(nb, v=True)))
+
+    def release(self, key: Any) -> None:
+        for b in self.bufs:
+            if b.key == key:
+                if b.k.is_cuda:
+                    b.release = torch.cuda.Event()
+                    b.release.record(torch.cuda.current_stream())
+                b.key, b.ticket = None, None
+
+
+__all__ = ["ALIGN", "Copier", "InPlaceWeights", "KVStaging", "StreamedWeights", "module_group"]

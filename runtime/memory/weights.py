@@ -1,0 +1,103 @@
+"""Host weight store: every weight slice the plan names, read from memory-mapped
+safetensors files at the plan's byte offsets (no copy, no merged expert tensors), and
+fetched to the compute device on demand.
+
+On CPU the "fetch" is the mmap view itself; on CUDA a fetched slice is copied to device
+memory once and kept. With a device budget, memory/streaming.py copies slices into the
+arena instead (`host` is what it copies from).
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+
+
+class WeightError(Exception):
+    """A weight named by the plan cannot be read from the checkpoint."""
+
+
+class WeightStore:
+    def __init__(self, manifest: dict[str, dict[str, Any]], model_dir: Path, device: torch.device):
+        self.manifest = manifest
+        self.dir = Path(model_dir)
+        self.device = device
+        self._maps: dict[str, mmap.mmap] = {}
+        self._host: dict[str, torch.Tensor] = {}
+        self._device: dict[str, torch.Tensor] = {}
+        self.bytes_fetched = 0
+
+    def _map(self, fname: str) -> mmap.mmap:
+        m = self._maps.get(fname)
+        if m is None:
+            path = self.dir / fname
+            try:
+                with open(path, "rb") as f:
+                    # ACCESS_COPY: a private, writable (copy-on-write) view, so torch.frombuffer
+                    # needs no copy and never writes back to the checkpoint
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if hasattr(mmap, "MADV_WILLNEED"):  # start the kernel's read-ahead now, off our threads
+                    m.madvise(mmap.MADV_WILLNEED)
+            except OSError as e:
+                raise WeightError(f"{path}: cannot map weight file: {e}") from e
+            self._maps[fname] = m
+        return m
+
+    def host(self, key: str) -> torch.Tensor:
+        """The slice `key` as a tensor over the memory-mapped file."""
+        t = self._host.get(key)
+        if t is not None:
+            return t
+        entry = self.manifest.get(key)
+        if entry is None:
+            raise WeightError(f"weight {key} is not in the plan's manifest (plan and runtime disagree)")
+        if entry.get("file") is None:
+            raise WeightError(f"weight {key} (checkpoint tensor {entry['tensor']}) has no file in the plan")
+        dtype = TORCH_DTYPES[entry["dtype"]]
+        numel = 1
+        for d in entry["shape"]:
+            numel *= int(d)
+        m = self._map(entry["file"])
+        if entry["offset"] + entry["nbytes"] > len(m):
+            raise WeightError(
+                f"{self.dir / entry['file']}: tensor {entry['tensor']} lies past the end of the file "
+                f"(offset {entry['offset']} + {entry['nbytes']} bytes > {len(m)}); the checkpoint is "
+                f"truncated or changed since compile"
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = torch.frombuffer(m, dtype=dtype, count=numel, offset=entry["offset"]).view(entry["shape"])
+        self._host[key] = t
+        return t
+
+    def get(self, key: str) -> torch.Tensor:
+        """The slice `key` on the compute device (fetched once, then kept)."""
+        if self.device.type == "cpu":
+            return self.host(key)
+        t = self._device.get(key)
+        if t is None:
+            src = self.host(key)
+            t = src.to(self.device, non_blocking=False)
+            self.bytes_fetched += src.numel() * src.element_size()
+            self._device[key] = t
+        return t
+
+    def close(self) -> None:
+        self._host.clear()
+        self._device.clear()
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a tensor still views it; the GC closes it later
+                pass
+        self._maps.clear()

@@ -1,0 +1,277 @@
+"""The plan's schema: what `moecc compile` writes and `moecc exec` reads, in one typed place.
+
+The plan is plain data (dicts, lists, strings, numbers, one tensor), so `torch.load(...,
+weights_only=True)` reads it and nothing in it can run code. Its shape is declared here as
+TypedDicts, and `validate()` checks a loaded plan against them field by field: a missing,
+unknown or mistyped field is refused with its path (`plan.batch.kv.block_size: missing`).
+
+The runtime owns this schema; the compiler imports it, and with it the facts both sides
+must agree on: the op vocabulary, the transfer ops, the arena alignment, the job kinds of
+the planner's step model, the residency group of a module, the KV geometry of a model.
+
+Version 3 (this one) added each module's `residency_group` and the KV geometry (`layers`,
+`heads`, `key_dim`, `value_dim`) under `batch.kv`, made `batch.kv.block_size` required,
+and dropped the unused `output` key. Plans of other versions are refused with "recompile".
+"""
+
+# no `from __future__ import annotations`: TypedDict reads NotRequired from live annotations
+import types
+import typing
+from typing import Any, Literal, NotRequired, TypedDict, Union
+
+import torch
+
+SCHEMA = "moecc.plan"
+SCHEMA_VERSION = 3
+
+# -- facts both sides share -----------------------------------------------------------------
+#: Every op a plan's schedule may hold, and so every op this runtime implements.
+OpName = Literal["embed", "rope", "rmsnorm", "attention", "router", "experts", "mlp", "linear", "add", "mul",
+                 "sigmoid", "lm_head", "host_buffer", "fetch_weights", "fetch_experts", "kv_load", "kv_store"]
+OPS: frozenset[str] = frozenset(typing.get_args(OpName))
+#: Ops that move data (weights to the device, KV between host and device) rather than compute.
+TRANSFER_OPS: frozenset[str] = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
+#: Byte alignment of every tensor carved from the device arena.
+ALIGN = 256
+#: Tokens per KV block the planner sizes the pool in.
+KV_BLOCK_SIZE = 8
+#: Job kinds of the planner's step model and of the runtime's measured timeline.
+COMPUTE_JOB_KINDS: tuple[str, ...] = ("attention", "gemm", "router", "head")
+COPY_JOB_KINDS: tuple[str, ...] = ("fetch", "kv_load")
+#: op -> its job kind on the measured timeline (ops not named here are "glue", the embedding
+#: and rope table "stem")
+OP_JOB_KIND: dict[str, str] = {"attention": "attention", "router": "router", "mlp": "gemm", "linear": "gemm",
+                               "lm_head": "head", "embed": "stem", "rope": "stem"}
+
+
+def residency_group(kind: str, layer: int | None) -> str | None:
+    """The residency group of a module's non-expert weights: what the planner keeps on the
+    device or streams as a unit (`L3.attn`, `L3.dense`, `head`; None: the stem, which runs
+    on the host). Expert weights are `L3.experts`."""
+    if kind == "head":
+        return "head"
+    if kind == "attn":
+        return f"L{layer}.attn"
+    if layer is None:
+        return None
+    return f"L{layer}.dense"
+
+
+def kv_geometry(num_kv_heads: int, head_dim: int, mla: dict[str, Any] | None) -> tuple[int, int, int]:
+    """(heads, key_dim, value_dim) a layer caches per token: K and V heads, or with multi-head
+    latent attention one "head" holding the compressed latent and the rope key, and no V."""
+    if mla:
+        return 1, int(mla["kv_lora_rank"]) + int(mla["qk_rope_head_dim"]), 0
+    return int(num_kv_heads), int(head_dim), int(head_dim)
+
+
+# -- the schema -----------------------------------------------------------------------------
+class Fingerprint(TypedDict):
+    config_sha256: str
+    weight_files: dict[str, int]  # file name in the checkpoint dir -> size in bytes
+
+
+class ModelInfo(TypedDict):
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    dtype: str
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    pad_token_id: int | None
+    extra: dict[str, Any]  # family-specific facts (mla, hidden_act, ...)
+
+
+class ModelSection(TypedDict):
+    dir: str
+    architecture: str
+    model_type: str
+    fingerprint: Fingerprint
+    info: ModelInfo
+
+
+class PhaseSizes(TypedDict):
+    B: int  # sequences in flight
+    b_a: int  # sequences per attention micro-batch
+    b_e: int  # rows per expert chunk
+    tokens_per_step: NotRequired[int]  # prefill: prompt tokens per step
+
+
+class KVGeometry(TypedDict):
+    block_size: int  # tokens per block
+    num_blocks: int
+    bytes_per_block: int  # all layers
+    layers: int
+    heads: int  # cached heads per layer (1 with latent attention)
+    key_dim: int
+    value_dim: int  # 0: the values are the latent part of the key
+
+
+class Overlap(TypedDict):
+    expert_slots: int
+    prefetch: int
+    resident: list[str]  # residency groups kept on the device
+
+
+class Workload(TypedDict):
+    prompt_tokens: float
+    output_tokens: float
+    seq_len: int
+
+
+class Batch(TypedDict):
+    prefill: PhaseSizes
+    decode: PhaseSizes
+    kv: KVGeometry
+    overlap: Overlap
+    workload: Workload
+    rule: str
+
+
+class Arena(TypedDict):
+    bytes: int
+    resident: list[str]
+    dense_slot_bytes: int
+    expert_slots: int
+    expert_slot_bytes: int
+    kv_buffer_tokens: int
+    stage_bytes: int
+
+
+class WeightEntry(TypedDict):
+    tensor: str  # the checkpoint tensor
+    dtype: str
+    shape: list[int]
+    index: int | None  # expert index into a fused 3-D tensor
+    rows: list[int] | None  # [first, end) rows of it
+    file: str | None  # None: a config-only plan
+    offset: int | None  # absolute byte offset in the file
+    nbytes: int
+
+
+class Rope(TypedDict):
+    inv_freq: torch.Tensor  # [D/2] fp32
+    attention_scaling: float
+
+
+class Op(TypedDict):
+    op: OpName
+    name: str
+    inputs: list[str]
+    weights: dict[str, str]  # local name -> weight manifest key
+    attrs: dict[str, Any]  # op-specific
+
+
+class Module(TypedDict):
+    module: str
+    kind: str  # stem, attn, moe, mlp, head, ...
+    layer: int | None
+    residency_group: str | None
+    ops: list[Op]
+
+
+class Plan(TypedDict):
+    schema: Literal["moecc.plan"]
+    version: int
+    model: ModelSection
+    batch: Batch
+    memory: dict[str, dict[str, int | None]]
+    arena: Arena | None  # None: weights read in place (no device budget)
+    weights: dict[str, WeightEntry]
+    rope: Rope
+    schedule: list[Module]
+    timeline: dict[str, Any] | None  # the predicted step DAGs (moecc explain --timeline)
+    predicted: dict[str, Any]
+
+
+class SchemaError(ValueError):
+    """A plan field is missing, unknown or of the wrong type; `path` names it."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+def validate(data: Any, spec: Any = Plan, path: str = "plan") -> None:
+    """Check `data` against the schema type `spec`; raise SchemaError naming the first bad field."""
+    origin = typing.get_origin(spec)
+    if spec is Any:
+        return
+    if typing.is_typeddict(spec):
+        _validate_record(data, spec, path)
+    elif origin in (Union, types.UnionType):
+        options = typing.get_args(spec)
+        if data is None and type(None) in options:
+            return
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return validate(data, option, path)
+            except SchemaError as e:
+                errors.append(e)
+        raise errors[0] if len(errors) == 1 else SchemaError(path, f"expected {_name(spec)}, got {_what(data)}")
+    elif origin is Literal:
+        if data not in typing.get_args(spec):
+            raise SchemaError(path, f"{data!r} is not one of {sorted(map(str, typing.get_args(spec)))}")
+    elif origin is list:
+        if not isinstance(data, list):
+            raise SchemaError(path, f"expected a list, got {_what(data)}")
+        (item,) = typing.get_args(spec)
+        for i, x in enumerate(data):
+            validate(x, item, f"{path}[{i}]")
+    elif origin is dict:
+        if not isinstance(data, dict):
+            raise SchemaError(path, f"expected an object, got {_what(data)}")
+        key, value = typing.get_args(spec)
+        for k, v in data.items():
+            if not isinstance(k, str):
+                raise SchemaError(path, f"key {k!r} is not a string")
+            validate(v, value, f"{path}[{k!r}]")
+    else:
+        _validate_scalar(data, spec, path)
+
+
+def _validate_record(data: Any, spec: Any, path: str) -> None:
+    if not isinstance(data, dict):
+        raise SchemaError(path, f"expected an object, got {_what(data)}")
+    hints = typing.get_type_hints(spec)
+    for k in data:
+        if k not in hints:
+            raise SchemaError(f"{path}.{k}", f"unknown field (this runtime reads {', '.join(hints)})")
+    for k, t in hints.items():
+        if k not in data:
+            if k in spec.__required_keys__:
+                raise SchemaError(f"{path}.{k}", "missing")
+            continue
+        validate(data[k], _unwrap_not_required(t), f"{path}.{k}")
+
+
+def _unwrap_not_required(t: Any) -> Any:
+    return typing.get_args(t)[0] if typing.get_origin(t) is NotRequired else t
+
+
+def _validate_scalar(data: Any, spec: Any, path: str) -> None:
+    ok = {int: isinstance(data, int) and not isinstance(data, bool),
+          float: isinstance(data, (int, float)) and not isinstance(data, bool),
+          str: isinstance(data, str), bool: isinstance(data, bool),
+          torch.Tensor: isinstance(data, torch.Tensor), type(None): data is None}.get(spec)
+    if ok is None:  # pragma: no cover - a type this validator does not know is a schema bug
+        raise TypeError(f"plan schema: cannot validate {spec!r} at {path}")
+    if not ok:
+        raise SchemaError(path, f"expected {_name(spec)}, got {_what(data)}")
+
+
+def _name(spec: Any) -> str:
+    return getattr(spec, "__name__", None) or str(spec).replace("typing.", "")
+
+
+def _what(data: Any) -> str:
+    return f"{type(data).__name__} {data!r}" if isinstance(data, (int, float, str, bool)) else type(data).__name__

@@ -1,0 +1,172 @@
+"""The scheduler: continuous batching over module-based steps.
+
+Each `schedule()`:
+  1. admit: while fewer than B sequences are in flight, take the next request (preempted
+     sequences first) if the KV pool can hold its prompt plus the running sequences'
+     expected growth, and the step's prefill budget is not spent;
+  2. plan the step's work: one token for every decoding sequence, and prompt chunks of at
+     most the remaining prefill budget for sequences still prefilling (long prompts are
+     prefilled over several steps, interleaved with the decode of the others);
+  3. reserve the work's KV blocks, in work order; when the pool cannot hold the next one,
+     preempt the most recently admitted sequence (free its blocks, recompute it later) and
+     plan again. A sequence that does not fit even alone is rejected (`rejected`);
+  4. emit the step plan (scheduler/step_plan.py): the worker never reserves anything.
+After the worker ran a plan, `advance` marks its chunks cached and `retire` frees the
+blocks of a sequence that finished. Freed slots are refilled from the queue at the next
+step, so the batch stays full until the queue drains.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from moecc_runtime.sampling import request_generator
+from moecc_runtime.scheduler.blocks import BlockAllocator, KVCacheFull
+from moecc_runtime.scheduler.sequence import GenRequest, Sequence
+from moecc_runtime.scheduler.step_plan import SeqChunk, StepPlan
+
+DEFAULT_PREFILL_TOKENS = 2048
+
+Work = list[tuple[Sequence, int]]  # (sequence, tokens of it to run) in row order
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A request the whole pool cannot hold: why, as an error and as a message for its record."""
+
+    request: GenRequest
+    error: KVCacheFull
+    message: str
+
+
+class Scheduler:
+    """Admission, KV block ownership and preemption for one run over `requests`."""
+
+    def __init__(self, blocks: BlockAllocator, requests: Iterable[GenRequest], max_batch: int, prefill_tokens: int):
+        self.blocks = blocks
+        self.limit = max_batch
+        self.budget_per_step = prefill_tokens
+        self.queue: deque[GenRequest] = deque(requests)
+        self.preempted: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.rejected: list[Rejected] = []  # since the caller last emptied it
+        self._new: dict[int, list[int]] = {}  # sid -> blocks reserved for the step being planned
+        self._next_id = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queue or self.preempted or self.running)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.running or self.preempted)
+
+    def schedule(self, admit_new: bool = True) -> StepPlan | None:
+        """needs: nothing. does: admit (only preempted sequences unless `admit_new`), plan the
+        work, reserve its blocks, preempting while they do not fit. guarantees: every slot
+        the plan addresses is reserved; None when nothing can run (a rejected sequence may
+        have been added to `rejected`)."""
+        self._admit(admit_new)
+        while True:
+            work = _plan_work(self.running, self.budget_per_step)
+            if not work:
+                return None
+            short = self._reserve(work)
+            if short is None:
+                new = [b for blocks in self._new.values() for b in blocks]
+                self._new.clear()
+                return emit_step(self.blocks, work, new)
+            self._preempt(short)
+
+    def advance(self, plan: StepPlan) -> list[Sequence]:
+        """The worker ran `plan`: its chunks are cached. Returns the sequences whose known
+        tokens are all cached now (those the worker returned logits for), in row order."""
+        by_sid = {s.sid: s for s in self.running}
+        for c in plan.seqs:
+            by_sid[c.sid].cached += c.n
+        return [by_sid[c.sid] for c in plan.seqs if c.finishes]
+
+    def retire(self, seq: Sequence) -> None:
+        """`seq` is finished: free its blocks and its slot."""
+        self.blocks.release(seq.sid)
+        self.running.remove(seq)
+
+    def _new_sequence(self, req: GenRequest) -> Sequence:
+        self._next_id += 1
+        return Sequence(self._next_id - 1, list(req.prompt_ids), len(req.prompt_ids), req.max_tokens,
+                        request=req, generator=request_generator(req.seed, req.key))
+
+    def _admit(self, admit_new: bool) -> None:
+        """Fill free slots while the prefill budget lasts and the pool has room to spare."""
+        budget = self.budget_per_step - sum(min(s.pending, self.budget_per_step) for s in self.running if s.pending > 1)
+        while (self.preempted or (self.queue and admit_new)) and len(self.running) < self.limit and budget > 0:
+            tokens = len(self.preempted[0].tokens) if self.preempted else len(self.queue[0].prompt_ids)
+            growth = len(self.running) // self.blocks.block_size + 1  # blocks the running ones may take next step
+            if self.running and self.blocks.blocks_for(tokens + 1) + growth > self.blocks.free_blocks:
+                break
+            seq = self.preempted.popleft() if self.preempted else self._new_sequence(self.queue.popleft())
+            self.running.append(seq)
+            budget -= min(seq.pending, budget)
+
+    def _reserve(self, work: Work) -> KVCacheFull | None:
+        """Reserve each chunk's positions in work order; at the first that does not fit, stop
+        and say so (what is reserved stays reserved)."""
+        for s, n in work:
+            need = self.blocks.needs(s.sid, s.cached + n)
+            if need > self.blocks.free_blocks:
+                return KVCacheFull(s.sid, need, self.blocks.free_blocks, self.blocks.num_blocks)
+            self._new.setdefault(s.sid, []).extend(self.blocks.reserve(s.sid, s.cached + n))
+        return None
+
+    def _preempt(self, short: KVCacheFull) -> None:
+        """Free the most recently admitted sequence: recomputed from its tokens when
+        re-admitted, or rejected when it was running alone (it cannot fit the pool)."""
+        victim = self.running.pop()
+        self.blocks.release(victim.sid)
+        self._new.pop(victim.sid, None)
+        if self.running:
+            victim.cached = 0
+            self.preempted.appendleft(victim)
+            return
+        req = victim.request
+        assert req is not None, "the scheduler only runs sequences of requests"
+        msg = (f"request {req.key!r} needs {self.blocks.blocks_for(len(victim.tokens))} KV blocks of "
+               f"{self.blocks.block_size} tokens but the whole pool has {self.blocks.num_blocks}; compile with "
+               f"more --host-mem or lower its max_tokens")
+        self.rejected.append(Rejected(req, short, msg))
+
+
+def _plan_work(running: list[Sequence], budget: int) -> Work:
+    work = []
+    for s in running:
+        if s.pending == 1:
+            work.append((s, 1))
+        elif budget > 0:
+            n = min(s.pending, budget)
+            budget -= n
+            work.append((s, n))
+    return work
+
+
+def emit_step(blocks: BlockAllocator, work: Work, new_blocks: list[int], all_rows: bool = False) -> StepPlan:
+    """needs: `work`'s positions reserved in `blocks`, `new_blocks` those reserved for it.
+    guarantees: the step plan of `work`, its phase "prefill" when most of its rows are."""
+    chunks = []
+    for s, n in work:
+        if not 0 < n <= s.pending:
+            raise ValueError(f"sequence {s.sid}: asked to run {n} of {s.pending} pending tokens")
+        slot_blocks, slot_offsets = blocks.slots(s.sid, s.cached, n)
+        chunks.append(SeqChunk(s.sid, s.tokens[s.cached:s.cached + n], s.cached, list(blocks.tables[s.sid]),
+                               slot_blocks, slot_offsets, n > 1 or s.cached < s.prompt_len,
+                               s.cached + n == len(s.tokens)))
+    prefill, total = sum(c.n for c in chunks if c.prefill), sum(c.n for c in chunks)
+    return StepPlan(chunks, "prefill" if 2 * prefill > total else "decode", new_blocks, blocks.usage(), all_rows)
+
+
+def reserve_step(blocks: BlockAllocator, work: Work, all_rows: bool = False) -> StepPlan:
+    """The step plan of fixed `work` (scoring text: no admission, no preemption); raises
+    KVCacheFull when the pool cannot hold it."""
+    new = [b for s, n in work for b in blocks.reserve(s.sid, s.cached + n)]
+    return emit_step(blocks, work, new, all_rows)

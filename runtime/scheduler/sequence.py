@@ -1,0 +1,54 @@
+"""Requests as the scheduler sees them: what is asked (`GenRequest`), the state of one in
+flight (`Sequence`) and what comes back (`GenResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GenRequest:
+    key: str  # custom_id
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings (checked by generate's stop_check)
+
+
+@dataclass
+class GenResult:
+    key: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or context)
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step, when recorded
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in flight: its tokens, how many of them are in the KV cache, and its
+    sampling state. `request` is None for a sequence that is only scored (perplexity).
+    Compared by identity."""
+
+    sid: int
+    tokens: list[int]  # prompt + generated so far
+    prompt_len: int
+    max_new: int
+    cached: int = 0  # positions already in the KV cache
+    request: GenRequest | None = None
+    generator: torch.Generator | None = None  # its sampler's random state
+    logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, when recorded
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def pending(self) -> int:
+        """Tokens known but not yet run through the model."""
+        return len(self.tokens) - self.cached

@@ -1,0 +1,66 @@
+"""The step plan: what the scheduler hands the worker for one step, as plain data.
+
+A step runs, for each sequence in it, a chunk of its not-yet-cached tokens (a prompt chunk
+being prefilled, or the one token it decodes). Every position a chunk writes is already
+reserved in the sequence's block table, and the blocks reserved for this step are listed so
+the worker zeroes them before anything reads them. The worker returns, for the sequences
+whose known tokens are all cached after the step, their next-token logits.
+
+Legend: S' = sequences finishing their known tokens this step, T = rows of the step, V =
+vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moecc_runtime.scheduler.blocks import KVUsage
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a step: `tokens` at positions start..start+len(tokens)-1."""
+
+    sid: int
+    tokens: list[int]
+    start: int  # positions already cached before this step
+    block_table: list[int]  # the sequence's blocks, covering at least start + len(tokens)
+    slot_blocks: list[int]  # per token: the block its K/V goes to
+    slot_offsets: list[int]  # per token: the offset in that block
+    prefill: bool  # counts as prompt work (a chunk of several tokens, or inside the prompt)
+    finishes: bool  # its known tokens are all cached after this step: its last row reaches the head
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: its chunks in row order, the phase whose sizes it runs with, the blocks
+    reserved for it (zeroed before it runs) and the pool's use once they are."""
+
+    seqs: list[SeqChunk]
+    phase: str  # "prefill" (mostly prompt tokens) or "decode"
+    new_blocks: list[int]
+    kv: KVUsage
+    all_rows: bool = False  # every row reaches the head (scoring text), not only finishing ones
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.n for c in self.seqs)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.n for c in self.seqs if c.prefill)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What the worker computed: the finishing sequences (in row order) and their logits
+    [S', V] fp32, or with `all_rows` the logits of every row, [T, V] in row order."""
+
+    finished: list[int]  # sids
+    logits: torch.Tensor

@@ -1,0 +1,101 @@
+"""A step plan as the worker runs it: its rows as tensors, computed once per step and shared
+by every layer, and the step cut into attention micro-batches.
+
+Legend: T = rows (new tokens) of the step, S' = sequences finishing their known tokens this
+step, t = rows of one micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from moecc_runtime.scheduler.step_plan import SeqChunk, StepPlan
+
+if TYPE_CHECKING:
+    from moecc_runtime.worker.attention import KVView
+
+
+@dataclass
+class MicroBatch:
+    """Consecutive sequences of a step whose attention runs together."""
+
+    r0: int  # rows r0..r1-1 of the step
+    r1: int
+    items: list[tuple[int, int, int, int]]  # (sid, local row, start position, n) per sequence
+    tables: list[list[int]]
+    write_blocks: torch.Tensor  # [t] where each row's K/V goes
+    write_offsets: torch.Tensor  # [t]
+    index: int = 0  # which micro-batch of the step
+    views: dict[int | None, KVView] = field(default_factory=dict)  # sliding window -> its KV view
+
+
+@dataclass
+class StepBatch:
+    """A step plan's rows as tensors."""
+
+    seqs: list[SeqChunk]
+    T: int
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    spans: list[tuple[int, int]]  # each sequence's rows
+    blocks: torch.Tensor  # [T] KV block of each row
+    offsets: torch.Tensor  # [T] offset in that block
+    finishing: list[int]  # sids whose tokens are all cached after this step
+    last_rows: torch.Tensor  # [S'] their last rows (indexes host buffers); every row with all_rows
+    prefill_tokens: int
+    block_size: int
+
+    @classmethod
+    def build(cls, plan: StepPlan, block_size: int) -> "StepBatch":
+        ids: list[int] = []
+        pos: list[int] = []
+        blk: list[int] = []
+        off: list[int] = []
+        spans: list[tuple[int, int]] = []
+        last: list[int] = []
+        for c in plan.seqs:
+            spans.append((len(ids), len(ids) + c.n))
+            ids.extend(c.tokens)
+            pos.extend(range(c.start, c.start + c.n))
+            blk.extend(c.slot_blocks)
+            off.extend(c.slot_offsets)
+            if c.finishes:
+                last.append(len(ids) - 1)
+        rows = torch.arange(len(ids)) if plan.all_rows else torch.tensor(last, dtype=torch.long)
+        return cls(plan.seqs, len(ids), torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+                   spans, torch.tensor(blk, dtype=torch.long), torch.tensor(off, dtype=torch.long),
+                   [c.sid for c in plan.seqs if c.finishes], rows, plan.prefill_tokens, block_size)
+
+    def micro_batches(self, b_a: int, cap_blocks: int | None = None) -> list[MicroBatch]:
+        """Consecutive groups of at most b_a sequences whose KV (full context) fits one KV
+        buffer of `cap_blocks` blocks (None: no limit)."""
+        mbs = []
+        for j, (a, z) in enumerate(self._cuts(b_a, cap_blocks)):
+            r0, r1 = self.spans[a][0], self.spans[z - 1][1]
+            items = [(c.sid, self.spans[i][0] - r0, c.start, c.n) for i, c in enumerate(self.seqs[a:z], start=a)]
+            mbs.append(MicroBatch(r0, r1, items, [c.block_table for c in self.seqs[a:z]], self.blocks[r0:r1],
+                                  self.offsets[r0:r1], j))
+        return mbs
+
+    def _cuts(self, b_a: int, cap_blocks: int | None) -> list[tuple[int, int]]:
+        """(first, end) sequence index of each micro-batch."""
+        bs = self.block_size
+        cuts, a = [], 0
+        while a < len(self.seqs):
+            z, used = a, 0
+            while z < len(self.seqs) and z - a < b_a:
+                c = self.seqs[z]
+                need = -(-(c.start + c.n) // bs)
+                if cap_blocks is not None and used + need > cap_blocks:
+                    if z == a:
+                        raise ValueError(f"sequence {c.sid} needs {need} KV blocks but one device KV buffer "
+                                         f"holds {cap_blocks}; the plan's arena is too small for it")
+                    break
+                used += need
+                z += 1
+            cuts.append((a, z))
+            a = z
+        return cuts

@@ -1,0 +1,306 @@
+"""The runtime's compute kernels, one per plan op (gpt-fast style).
+
+Legend: T = tokens in this call, H = hidden size, I = expert/MLP intermediate size,
+E = experts, k = experts per token, V = vocabulary, n = query tokens of one sequence,
+c = context tokens of one sequence, Hq / Hkv = query / key-value heads, G = Hq / Hkv,
+B = sequences in one call, D = head dim.
+Numerics follow transformers' eager modules (norms in fp32, routing softmax in fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [..., H]  w: [H]
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dtype)
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    # positions: [T] -> [T, 2D] = cat(cos [T, D], sin [T, D])
+    freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return torch.cat(((emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)), dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [n, heads, D]  cos/sin: [n, D]
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [T, in]  w: [out, in] -> [T, out]
+    return F.linear(x, w, b)
+
+
+def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: torch.Tensor):
+    """Project, q/k-norm and rotate one micro-batch's tokens: q [T, Hq, D], k/v [T, Hkv, D]."""
+    D, Hq, Hkv = a["head_dim"], a["num_heads"], a["num_kv_heads"]
+    q = linear(x, w["q"], w.get("q_bias"))  # [T, Hq*D]
+    k = linear(x, w["k"], w.get("k_bias"))  # [T, Hkv*D]
+    v = linear(x, w["v"], w.get("v_bias"))
+    full = a.get("qk_norm") == "full"  # OLMoE: over the whole projection, before the head split
+    if "q_norm" in w and full:
+        q = rmsnorm(q, w["q_norm"], a["qk_norm_eps"])
+        k = rmsnorm(k, w["k_norm"], a["qk_norm_eps"])
+    if "clip_qkv" in a:
+        c = a["clip_qkv"]
+        q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+    q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
+    if "q_norm" in w and not full:  # Qwen3: per head
+        q = rmsnorm(q, w["q_norm"], a["qk_norm_eps"])
+        k = rmsnorm(k, w["k_norm"], a["qk_norm_eps"])
+    cos, sin = rope[:, :D], rope[:, D:]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] pairs (x0, x1), (x2, x3)... -> evens then odds (DeepSeek's rope_interleave)."""
+    d = x.shape[-1]
+    return x.view(*x.shape[:-1], d // 2, 2).transpose(-1, -2).reshape(*x.shape[:-1], d)
+
+
+def mla_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: torch.Tensor):
+    """Multi-head latent attention, absorbed form. Returns the query [t, nh, kl+R] (latent
+    query q_nope @ W_UK, then the rotated rope part), the cached key [t, 1, kl+R] (normed
+    latent, then the rotated shared rope key), an empty value [t, 1, 0], and `finish`, which
+    maps attention's latent output [t, nh*kl] through W_UV and o_proj to [t, H].
+    Legend: nh heads, kl kv_lora_rank, R qk_rope_head_dim, n qk_nope_head_dim, v v_head_dim."""
+    nh, kl, R = a["num_heads"], a["kv_lora_rank"], a["qk_rope_head_dim"]
+    n, vd, eps = a["qk_nope_head_dim"], a["v_head_dim"], a["norm_eps"]
+    if "q_a" in w:
+        q = linear(rmsnorm(linear(x, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], eps), w["q_b"])  # [t, nh*(n+R)]
+    else:
+        q = linear(x, w["q"], w.get("q_bias"))
+    q = q.view(-1, nh, n + R)
+    q_nope, q_rot = q[..., :n], q[..., n:]  # [t, nh, n], [t, nh, R]
+    ckv = linear(x, w["kv_a"], w.get("kv_a_bias"))  # [t, kl+R]
+    latent = rmsnorm(ckv[:, :kl], w["kv_a_norm"], eps)  # [t, kl]
+    k_rot = ckv[:, None, kl:]  # [t, 1, R]
+    if a.get("rope_interleave"):
+        q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+    cos, sin = rope[:, :R], rope[:, R:]
+    q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
+    wkv = w["kv_b"].view(nh, n + vd, kl)  # [nh, n+v, kl]
+    q_lat = torch.einsum("thn,hnk->thk", q_nope, wkv[:, :n])  # [t, nh, kl]
+    query = torch.cat((q_lat, q_rot), dim=-1)  # [t, nh, kl+R]
+    key = torch.cat((latent[:, None, :], k_rot), dim=-1)  # [t, 1, kl+R]
+    value = key.new_empty(key.shape[0], 1, 0)  # [t, 1, 0]
+
+    def finish(out: torch.Tensor) -> torch.Tensor:  # [t, nh*kl] -> [t, H]
+        o = torch.einsum("thk,hvk->thv", out.view(-1, nh, kl), wkv[:, n:])  # [t, nh, v]
+        return linear(o.reshape(-1, nh * vd), w["o"], w.get("o_bias"))
+
+    return query, key, value, finish
+
+
+def sink_softmax(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax over each row of `scores` plus one extra logit per head (gpt-oss's attention
+    sink) that takes probability mass but has no value; the sink's column is dropped.
+    scores: [..., c] (masked positions -inf)  sink: broadcastable to [..., 1] -> [..., c]"""
+    combined = torch.cat([scores, sink.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)  # [..., c+1]
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                   scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks, written out (SDPA has no extra logit). q: [B, Hkv, G, n, D],
+    k: [B, Hkv, 1, c, D], v: [B, Hkv, 1, c, Dv], allowed: bool, broadcastable to
+    [B, Hkv, G, n, c], sinks: [Hkv*G] (query head h = kv head h // G) -> [B, Hkv, G, n, Dv]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hkv, G, n, c]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    Hkv, G = q.shape[1], q.shape[2]
+    probs = sink_softmax(scores, sinks.view(1, Hkv, G, 1, 1))
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, a: dict,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's n new queries at positions start..start+n-1 over
+    its cache (which already holds their K/V), with gpt-oss's `sinks` [Hq] when given.
+    q: [n, Hq, D]; caches: [Hkv, c, D] -> [n, Hq*D]."""
+    n = q.shape[0]
+    c = start + n
+    window = a.get("sliding_window")
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    kh, vh = k_cache[None, :, :c], v_cache[None, :, :c]  # [1, Hkv, c, D]
+    mask = None
+    causal = False
+    if window is not None and c > window or (n > 1 and start > 0):
+        qpos = torch.arange(start, c, device=q.device)[:, None]  # [n, 1]
+        kpos = torch.arange(c, device=q.device)[None, :]  # [1, c]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        mask = allowed[None, None]
+    elif n > 1:
+        causal = True
+    if sinks is not None:
+        Hkv = k_cache.shape[0]
+        G = q.shape[1] // Hkv
+        if causal:
+            allowed = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(diagonal=c - n)
+        else:
+            allowed = mask[0, 0] if mask is not None else None  # [n, c]
+        qg = q.view(n, Hkv, G, -1).permute(1, 2, 0, 3)[None]  # [1, Hkv, G, n, D]
+        o = sink_attention(qg, k_cache[None, :, None, :c], v_cache[None, :, None, :c], allowed, a["scaling"], sinks)
+        return o[0].permute(2, 0, 1, 3).reshape(n, -1)  # [n, Hq*Dv]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
+                                         scale=a["scaling"], enable_gqa=True)  # [1, Hq, n, D]
+    return out[0].transpose(0, 1).reshape(n, -1)
+
+
+def route(x: torch.Tensor, w: torch.Tensor, a: dict, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing. x: [T, H], w: [E, H] -> weights [T, k] (fp32, or the model dtype
+    where the model's router returns that), index [T, k]. DeepSeek-V2 (`routed_scaling_factor`,
+    `topk_method`): in fp32, optionally only within the top groups (a group scored by its best
+    expert), scaled. `a["scoring"]` "sigmoid" is DeepSeek-V3's: see route_grouped."""
+    if a.get("scoring", "softmax") == "sigmoid":
+        return route_grouped(x, w, a, bias)
+    if a.get("scoring") == "topk_softmax":  # gpt-oss: biased logits, top-k, softmax over those k
+        top_v, top_i = torch.topk(linear(x, w, bias), a["top_k"], dim=-1)  # [T, k]
+        return torch.softmax(top_v, dim=-1, dtype=top_v.dtype), top_i
+    if "routed_scaling_factor" in a:  # DeepSeek-V2 routes in fp32
+        logits = F.linear(x.float(), w.float())  # [T, E]
+    else:
+        logits = linear(x, w)  # [T, E]
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    if a.get("topk_method") == "group_limited_greedy":  # groups scored by their best expert
+        T, E, G = probs.shape[0], probs.shape[1], int(a["num_groups"])
+        group = probs.view(T, G, E // G).max(dim=-1).values  # [T, G]
+        keep = torch.zeros_like(group).scatter_(1, torch.topk(group, int(a["topk_groups"]), dim=-1)[1], 1.0)
+        probs = probs.masked_fill(~keep.unsqueeze(-1).expand(T, G, E // G).reshape(T, E).bool(), 0.0)
+    top_w, top_i = torch.topk(probs, a["top_k"], dim=-1)  # [T, k]
+    if a.get("norm_topk_prob", True):
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    if "routed_scaling_factor" in a:
+        top_w = top_w * float(a["routed_scaling_factor"])
+    if a.get("weights_in_model_dtype", False):
+        top_w = top_w.to(x.dtype)
+    return top_w, top_i
+
+
+def route_grouped(x: torch.Tensor, w: torch.Tensor, a: dict, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing, in fp32: sigmoid scores; choice scores = scores + correction bias;
+    experts in G groups, a group scored by the sum of its best two choice scores; only the
+    top `topk_groups` groups compete; top-k by choice score, weighted by the plain score,
+    renormalised (norm_topk_prob) and scaled by routed_scaling_factor.
+    x: [T, H]  w: [E, H]  bias: [E] -> weights [T, k] fp32, index [T, k]."""
+    T = x.shape[0]
+    E, G = w.shape[0], int(a["num_groups"])
+    scores = F.linear(x.float(), w.float()).sigmoid()  # [T, E]
+    choice = scores + bias.float() if bias is not None else scores  # [T, E]
+    group = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    keep = torch.zeros_like(group).scatter_(1, torch.topk(group, int(a["topk_groups"]), dim=-1)[1], 1.0)  # [T, G]
+    allowed = keep.unsqueeze(-1).expand(T, G, E // G).reshape(T, E).bool()  # [T, E]
+    top_i = torch.topk(choice.masked_fill(~allowed, float("-inf")), a["top_k"], dim=-1)[1]  # [T, k]
+    top_w = scores.gather(1, top_i)  # [T, k]
+    if a.get("norm_topk_prob", True):
+        top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+    return top_w * float(a.get("routed_scaling_factor", 1.0)), top_i
+
+
+def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
+    # x: [T, H]  gate/up: [I, H]  down: [H, I] -> [T, H]
+    h = ACTIVATIONS[act](linear(x, gate))  # [T, I]
+    h.mul_(linear(x, up))  # in place: one [T, I] temporary fewer
+    return linear(h, down)
+
+
+def clamped_swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
+                       down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert: x @ gate_up + b with gate and up interleaved (even / odd columns),
+    gate clamped above and up on both sides at `limit`, (up + 1) * gate * sigmoid(alpha * gate),
+    then @ down + b. x: [T, H]  gate_up: [H, 2I]  gate_up_bias: [2I]  down: [I, H] -> [T, H]"""
+    gu = x @ gate_up + gate_up_bias  # [T, 2I]
+    gate, up = gu[..., ::2].clamp(max=limit), gu[..., 1::2].clamp(min=-limit, max=limit)  # [T, I]
+    return ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ down + down_bias
+
+
+#: An expert's MLP over its rows: (x [c, H], the expert's weights in `expert_parts` order) -> [c, H]
+ExpertMLP = Callable[[torch.Tensor, tuple], torch.Tensor]
+
+
+def expert_parts(a: dict) -> tuple[str, ...]:
+    """The per-expert weights an experts op holds, in the order its MLP takes them."""
+    return tuple(a.get("parts", ("gate", "up", "down")))
+
+
+def expert_mlp(a: dict) -> ExpertMLP:
+    """The MLP every expert of an experts op with attributes `a` runs."""
+    if a["act"] == "clamped_swiglu":
+        alpha, limit = float(a["swiglu_alpha"]), float(a["swiglu_limit"])
+        return lambda x, w: clamped_swiglu_mlp(x, *w, alpha, limit)
+    act = a["act"]
+    return lambda x, w: gated_mlp(x, *w, act)
+
+
+def experts(
+    x: torch.Tensor,
+    top_w: torch.Tensor,
+    top_i: torch.Tensor,
+    fetch: Callable[[list[int]], Iterable[tuple[torch.Tensor, ...]]],
+    num_experts: int,
+    mlp: str | ExpertMLP,
+    chunk: int,
+) -> tuple[torch.Tensor, int]:
+    """Run every expert over all tokens routed to it, in chunks of at most `chunk` tokens,
+    one expert after another; experts no token chose are skipped (never fetched).
+    `fetch(used)` yields each used expert's weights in order (it may prefetch ahead: it
+    learns the whole list first); `mlp` is what an expert computes from them (an activation
+    name: the gated MLP over (gate, up, down); see expert_mlp).
+    x: [T, H]  top_w/top_i: [T, k] -> ([T, H], experts run)."""
+    if isinstance(mlp, str):
+        act = mlp
+        mlp = lambda rows, w: gated_mlp(rows, *w, act)  # noqa: E731
+    T, k = top_i.shape
+    out = torch.zeros_like(x)  # [T, H]
+    flat = top_i.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k] slots grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # [E]
+    flat_w = top_w.reshape(-1)
+    starts = [0] * num_experts
+    acc = 0
+    for e, count in enumerate(counts):
+        starts[e] = acc
+        acc += count
+    used = [e for e, count in enumerate(counts) if count]
+    weights = iter(fetch(used))
+    try:
+        for w, e in zip(weights, used):  # the fetcher first: it sees its own end
+            count = counts[e]
+            slots = order[starts[e]:starts[e] + count]  # [c]
+            for s in range(0, count, chunk):
+                sl = slots[s:s + chunk]
+                tok = sl // k  # [c] token of each slot
+                y = mlp(x[tok], w)  # [c, H]
+                y.mul_(flat_w[sl, None])
+                out.index_add_(0, tok, y.to(out.dtype))
+    finally:
+        close = getattr(weights, "close", None)
+        if close is not None:
+            close()  # a fetcher that prefetches ahead releases what it still holds
+    return out, len(used)

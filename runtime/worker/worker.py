@@ -1,0 +1,321 @@
+"""The worker: execute a plan's module schedule over one step plan (module-based batching).
+
+Legend: T = rows (new tokens) in this step, S' = sequences finishing their known tokens
+this step, V = vocabulary.
+
+A step plan (scheduler/step_plan.py) gives, for each sequence in the step, a chunk of its
+not-yet-cached tokens (a prompt chunk being prefilled, or the one token it decodes) with the
+KV slots they go to. The worker runs them all together as T rows, module by module in plan
+order:
+  * attention modules run in micro-batches of b_a sequences (worker/batch.py) through the
+    attention backend (worker/attention.py), the next micro-batch's KV gathered while one
+    computes (memory/streaming.py's KVStaging);
+  * expert modules run every expert over all rows routed to it, in chunks of b_e rows;
+    dense MLPs over all rows in chunks of b_e;
+  * values that cross modules are kept in host buffers [T, ...].
+Only the last row of each sequence whose known tokens are all cached after the step
+reaches the head (final norm, lm_head). The step's phase picks (b_a, b_e): the plan's
+prefill sizes or its decode sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moecc_runtime.memory.arena import DeviceArena, Region, align
+from moecc_runtime.memory.copy_engine import CopyEngine
+from moecc_runtime.memory.kv import KVGeometry, KVPool
+from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
+from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore
+from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
+from moecc_runtime.worker import kernels
+from moecc_runtime.worker.attention import GatheredAttention
+from moecc_runtime.worker.batch import MicroBatch, StepBatch
+from moecc_runtime.worker.stats import EngineStats, account, copy_counters
+from moecc_runtime.worker.timeline import StepTrace, pick_trace
+
+#: ops the weights policy and the KV staging carry out (memory/streaming.py): skipped here
+TRANSFER_OPS = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
+#: op -> its kind on the measured timeline (the planner's job kinds; the rest is "glue")
+_TIMELINE_KINDS = {"attention": "attention", "router": "router", "mlp": "gemm", "linear": "gemm",
+                   "lm_head": "head", "embed": "stem", "rope": "stem"}
+
+
+def _next_attention(schedule: list[dict]) -> list[tuple[int, int | None] | None]:
+    """Per module: (layer, sliding window) of the next attention module in the schedule."""
+    out: list[tuple[int, int | None] | None] = []
+    nxt: tuple[int, int | None] | None = None
+    for m in reversed(schedule):
+        out.append(nxt)
+        for op in m["ops"]:
+            if op["op"] == "attention":
+                nxt = (op["attrs"]["layer_index"], op["attrs"].get("sliding_window"))
+    return out[::-1]
+
+
+class Worker:
+    """Runs step plans of one plan's model on one device."""
+
+    def __init__(self, plan: dict[str, Any], model_dir: Path, device: torch.device | str = "cpu", *,
+                 expert_chunk: int | None = None, attn_micro_batch: int | None = None,
+                 kv: KVGeometry | None = None, record_steps: bool = False):
+        """needs: a loaded plan and its checkpoint. `expert_chunk` / `attn_micro_batch`
+        override the plan's b_e / b_a of both phases; `kv` its KV pool's geometry."""
+        self.plan = plan
+        self.info = plan["model"]["info"]
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[self.info["dtype"]]
+        self.store = WeightStore(plan["weights"], model_dir, self.device)
+        # (b_a, b_e) per phase: a step that is mostly prompt tokens runs with the plan's prefill
+        # sizes, any other with its decode sizes (the arena was sized for both)
+        self._phase_sizes = {phase: (int(attn_micro_batch or plan["batch"][phase]["b_a"]),
+                                     int(expert_chunk or plan["batch"][phase]["b_e"]))
+                             for phase in ("decode", "prefill")}
+        self.b_a, self.b_e = self._phase_sizes["decode"]
+        self.inv_freq_host = plan["rope"]["inv_freq"].float()
+        self.rope_scaling = float(plan["rope"]["attention_scaling"])
+        self.schedule = plan["schedule"]
+        self._producer = {op["name"]: op["op"] for m in self.schedule for op in m["ops"]}
+        self._next_attn = _next_attention(self.schedule)
+        self.kv = KVPool.of(kv or KVGeometry.from_plan(plan), self.dtype)
+        self.attention = GatheredAttention(self.kv)
+        self._host_bufs: dict[str, torch.Tensor] = {}  # host buffer storage by value name, reused
+        self.stats = EngineStats(records=[] if record_steps else None)
+        self._step_no = 0
+        self._trace: StepTrace | None = None  # the step being recorded for the timeline, if any
+        self._layer: int | None = None  # layer of the module running (for the timeline)
+        self.arena: DeviceArena | None = None
+        self.copy: CopyEngine | None = None
+        self.stage: Region | None = None
+        lay = plan.get("arena")
+        if lay:
+            self._init_arena(lay)
+        else:
+            self.weights: InPlaceWeights | StreamedWeights = InPlaceWeights(self.store)
+            self.kv_staging = KVStaging(self.kv, self.device)
+
+    def _init_arena(self, lay: dict[str, Any]) -> None:
+        """Carve the plan's arena: resident weights, dense and expert slots, two KV buffers,
+        the staging area for hidden states; start the copy engine."""
+        cap_blocks = max(1, int(lay["kv_buffer_tokens"]) // self.kv.block_size)
+        kv_bytes = KVStaging.region_bytes(self.kv, cap_blocks)
+        self.arena = DeviceArena(int(lay["bytes"]), self.device)
+        self.copy = CopyEngine(self.device)
+        copier = Copier(self.device, max(int(lay["dense_slot_bytes"]), int(lay["expert_slot_bytes"]), kv_bytes // 2))
+        self.weights = StreamedWeights(self.plan, self.store, self.arena, self.copy, copier)
+        self.kv_staging = KVStaging(self.kv, self.device, self.copy, self.arena.region("kv_buffers", kv_bytes),
+                                    cap_blocks, copier.staging)
+        self.stage = self.arena.region("stage", int(lay["stage_bytes"]))
+        self.stats.arena_bytes = self.arena.nbytes
+
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """needs: every slot of `plan` reserved (the scheduler did). does: zero the plan's new
+        blocks, run every module over the step's rows, account the step. guarantees: the
+        chunks' K/V are in the pool; the logits of the finishing sequences [S', V] (fp32),
+        or of every row [T, V] with `plan.all_rows`."""
+        t0 = time.perf_counter()
+        self.kv.zero(plan.new_blocks)
+        b = StepBatch.build(plan, self.kv.block_size)
+        experts_before = self.stats.experts_run
+        copy0 = copy_counters(self.copy)
+        self._step_no += 1
+        self.b_a, self.b_e = self._phase_sizes[plan.phase]
+        trace = None  # the timeline is recorded only with step records on
+        if self.stats.records is not None:
+            trace = pick_trace(self.stats.timeline.get(plan.phase), plan.phase, self._step_no, b.T, b.prefill_tokens,
+                               len(plan.seqs), t0)
+        self._trace = trace
+        if self.copy is not None:
+            self.copy.trace = trace
+        logits = self._run_schedule(b)
+        if trace is not None and self.copy is not None:
+            self.copy.trace = None  # before the clock stops: no recorded copy ends after the step
+        seconds = time.perf_counter() - t0
+        if trace is not None:
+            self._trace = None
+            context = sum(c.start + c.n / 2 for c in plan.seqs) / max(1, len(plan.seqs))  # before this step's
+            self.stats.timeline[plan.phase] = trace.finish(seconds, len(plan.seqs), b.T, b.prefill_tokens, context,
+                                                           len(b.finishing))
+        account(self.stats, plan, seconds, self.stats.experts_run - experts_before, copy0, self.copy, self.arena,
+                self.device, self.kv)
+        return StepOutput(b.finishing, logits.float())
+
+    def _run_schedule(self, b: StepBatch) -> torch.Tensor:
+        """Every module in plan order over the step's rows; the head's logits."""
+        env: dict[str, torch.Tensor] = {"input_ids": b.input_ids, "positions": b.positions}
+        mbs = b.micro_batches(self.b_a, self.kv_staging.cap_blocks)
+        logits = None
+        for index, module in enumerate(self.schedule):
+            kind = module["kind"]
+            self._layer = module.get("layer")
+            self.weights.enter(index)
+            if kind == "attn":
+                self._run_attention_module(index, module, env, b, mbs)
+            else:
+                out = self._run_module(module, env, b, None)
+                if kind == "head":
+                    logits = out
+        assert logits is not None, "plan has no head module"
+        return logits
+
+    def _run_attention_module(self, index: int, module: dict, env: dict[str, torch.Tensor], b: StepBatch,
+                              mbs: list[MicroBatch]) -> None:
+        """Micro-batch by micro-batch; the next micro-batch's KV (after the last one: the next
+        attention layer's first) is gathered while this one computes."""
+        attn = next(op for op in module["ops"] if op["op"] == "attention")["attrs"]
+        layer, window = attn["layer_index"], attn.get("sliding_window")
+        nxt = self._next_attn[index]
+        for j, mb in enumerate(mbs):
+            key = (self._step_no, layer, j)
+            kv = self.kv_staging.acquire(key, layer, self.attention.blocks(mb, window))
+            if j + 1 < len(mbs):
+                self.kv_staging.submit((self._step_no, layer, j + 1), layer, self.attention.blocks(mbs[j + 1], window))
+            self._run_module(module, env, b, mb, kv)
+            self.kv_staging.release(key)
+        if nxt is not None and mbs:
+            nlayer, nwindow = nxt
+            self.kv_staging.submit((self._step_no, nlayer, 0), nlayer, self.attention.blocks(mbs[0], nwindow))
+
+    def _run_module(self, module: dict, env: dict[str, torch.Tensor], b: StepBatch,
+                    mb: MicroBatch | None, kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor | None:
+        """Run one module's ops over the attention micro-batch `mb` (whose gathered KV is
+        `kv`), or over all rows (the head module reads only the finishing sequences' last
+        rows). Host buffers collect each op's output rows; the module's last output is returned."""
+        if mb is not None:
+            rows: slice | torch.Tensor = slice(mb.r0, mb.r1)
+        elif module["kind"] == "head":
+            rows = b.last_rows
+        else:
+            rows = slice(None)
+        arg = _Inputs(self, module, env, rows)
+        last = None
+        trace = self._trace
+        for op in module["ops"]:
+            kind = op["op"]
+            if kind in TRANSFER_OPS:
+                continue  # the weights policy and the KV staging did these (see streaming.py)
+            t_op = time.perf_counter() if trace is not None else 0.0
+            inputs = [arg(i) for i in op["inputs"] if self._producer.get(i) not in TRANSFER_OPS]
+            if kind == "host_buffer":
+                full = env.get(op["name"])
+                x = inputs[0]
+                if full is None:  # [T, ...] on the host, filled micro-batch by micro-batch
+                    full = env[op["name"]] = self._host_buffer(op["name"], (b.T, *x.shape[1:]), x.dtype)
+                full[rows] = x.to("cpu")
+                continue
+            last = arg.local[op["name"]] = self._compute(op, inputs, mb, kv)
+            if trace is not None and kind != "experts":  # experts: one job per expert (StepTrace.experts)
+                name = f"L{self._layer}.attn.{mb.index}" if kind == "attention" and mb is not None else \
+                    f"{module['module']}.{op['name']}"
+                trace.add(name, "compute", _TIMELINE_KINDS.get(kind, "glue"), self._layer, t_op, time.perf_counter())
+        return last
+
+    def _host_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer's storage, kept across steps and grown when a step needs more, so
+        big steps do not pay fresh page faults for every buffer."""
+        need = 1
+        for d in shape:
+            need *= d
+        buf = self._host_bufs.get(name)
+        if buf is None or buf.numel() < need or buf.dtype != dtype:
+            buf = self._host_bufs[name] = torch.empty(max(need, 1), dtype=dtype, device="cpu")
+        return buf[:need].view(shape)
+
+    def _w(self, op: dict, local: str) -> torch.Tensor:
+        return self.weights.get(op["weights"][local])
+
+    def _compute(self, op: dict, x: list[Any], mb: MicroBatch | None,
+                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
+        """One op of the plan's vocabulary over its inputs `x`."""
+        kind, a = op["op"], op["attrs"]
+        if kind == "embed":  # on the host: only the rows used travel
+            return F.embedding(x[0], self.store.host(op["weights"]["weight"]))
+        if kind == "rope":
+            return kernels.rope_table(x[0], self.inv_freq_host, self.rope_scaling, self.dtype)
+        if kind == "rmsnorm":
+            return kernels.rmsnorm(x[0], self._w(op, "weight"), a["eps"])
+        if kind == "attention":
+            assert mb is not None and kv is not None, f"attention node {op['name']} outside an attention module"
+            return self.attention(op, x[0], x[1], mb, kv, {k: self._w(op, k) for k in op["weights"]})
+        if kind == "router":
+            return kernels.route(x[0], self._w(op, "weight"), a,
+                                 self._w(op, "bias") if "bias" in op["weights"] else None)
+        if kind == "experts":
+            return self._experts(op, x)
+        if kind == "mlp":
+            out = torch.empty_like(x[0])
+            for s in range(0, x[0].shape[0], self.b_e):
+                out[s:s + self.b_e] = kernels.gated_mlp(x[0][s:s + self.b_e], self._w(op, "gate"),
+                                                        self._w(op, "up"), self._w(op, "down"), a["act"])
+            return out
+        if kind == "linear":
+            bias = self._w(op, "bias") if "bias" in op["weights"] else None
+            return kernels.linear(x[0], self._w(op, "weight"), bias)
+        if kind == "add":
+            return x[0] + x[1]
+        if kind == "mul":
+            return x[0] * x[1]
+        if kind == "sigmoid":
+            return torch.sigmoid(x[0])
+        if kind == "lm_head":
+            return kernels.linear(x[0], self._w(op, "weight"))
+        raise RuntimeError(f"runtime: op {kind!r} (node {op['name']}) is not implemented by this runtime; "
+                           f"the plan is newer than the runtime")
+
+    def _experts(self, op: dict, x: list[Any]) -> torch.Tensor:
+        """Every routed expert over its rows in chunks of b_e, weights from the weights policy."""
+        top_w, top_i = x[1]
+        trace, layer = self._trace, self._layer
+
+        def weights(es: list[int]):
+            it = self.weights.experts(op, es)
+            return it if trace is None else trace.experts(it, layer, es)
+
+        a = op["attrs"]
+        out, used = kernels.experts(x[0], top_w, top_i, weights, a["num_experts"], kernels.expert_mlp(a), self.b_e)
+        self.stats.experts_run += used
+        return out
+
+    def close(self) -> None:
+        try:
+            self.weights.close()
+        finally:
+            if self.copy is not None:
+                self.copy.close()
+            self.store.close()
+
+
+class _Inputs:
+    """A module's inputs for one run: rows `rows` of the host buffers, brought to the device
+    once per module run however many ops read them (into the arena's staging area when
+    there is one); the stem (embedding, rope table) reads them on the host."""
+
+    def __init__(self, worker: Worker, module: dict, env: dict[str, torch.Tensor], rows: slice | torch.Tensor):
+        self.worker, self.module, self.env, self.rows = worker, module, env, rows
+        self.host = module["kind"] == "stem"
+        self.local: dict[str, Any] = {}  # value name -> its tensor in this module run
+        self.staged = 0  # bytes of the staging area used by this module's inputs
+
+    def __call__(self, name: str) -> Any:
+        if name in self.local:
+            return self.local[name]
+        x = self.env[name][self.rows]
+        if self.host:
+            return x
+        stage = self.worker.stage
+        if stage is None:
+            dst = x.to(self.worker.device)
+        else:
+            dst = stage.view(self.staged, x.shape, x.dtype, what=f"staged input {name} of {self.module['module']}")
+            self.staged += align(x.numel() * x.element_size())
+            dst.copy_(x)
+        self.local[name] = dst
+        return dst
