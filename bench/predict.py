@@ -100,7 +100,7 @@ def prefetch_variant(plan: dict[str, Any], budget: int) -> tuple[str, dict[str, 
 def resident_variant(plan: dict[str, Any], budget: int) -> dict[str, Any] | None:
     """Every layer's attention weights resident (the arena grown by their bytes), if it fits."""
     lay = plan["arena"]
-    groups = sorted({f"L{m['layer']}.attn" for m in plan["schedule"] if m["kind"] == "attn"})
+    groups = sorted({m["residency_group"] for m in plan["schedule"] if m["kind"] == "attn"})
     extra = sum(e["nbytes"] + 256 for k, e in plan["weights"].items()
                 if k.split(".")[0].startswith("l") and ".self_attn" in k or k.endswith("input_layernorm.weight"))
     if lay["bytes"] + extra > budget * 0.9:

@@ -3,7 +3,8 @@ models and budgets, write each plan as canonical plain data, and compare two suc
 a refactor proves it changed no plan.
 
     python bench/replay.py record DIR        # compile every case, write DIR/<case>.json
-    python bench/replay.py compare OLD NEW   # list every difference, by case and key path
+    python bench/replay.py compare OLD NEW [--expect REGEX ...]
+                                             # list every difference not expected, by case and key path
 
 The cases: every config under examples/configs/ (config-only plans) unbudgeted and at
 --gpu-mem 24GB --host-mem 2TB on the a5000 preset, and a tiny checkpoint of every family and
@@ -103,8 +104,14 @@ def _short(x: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def compare(old: Path, new: Path) -> int:
+def compare(old: Path, new: Path, expect: list[str] | None = None) -> int:
+    """Every difference between the two recorded sets; those whose key path matches one of
+    the `expect` regexes (intended changes) are counted per pattern, the rest are listed."""
+    import re
+
+    patterns = [re.compile(e) for e in expect or []]
     names = sorted({p.name for p in old.glob("*.json")} | {p.name for p in new.glob("*.json")})
+    counts = {e: 0 for e in expect or []}
     bad = 0
     for name in names:
         if not (old / name).is_file() or not (new / name).is_file():
@@ -112,12 +119,21 @@ def compare(old: Path, new: Path) -> int:
             bad += 1
             continue
         diffs = list(differences(json.loads((old / name).read_text()), json.loads((new / name).read_text())))
-        for d in diffs[:20]:
+        unexpected = []
+        for d in diffs:
+            hit = next((p.pattern for p in patterns if p.search(d.split(": ")[0])), None)
+            if hit is None:
+                unexpected.append(d)
+            else:
+                counts[hit] += 1
+        for d in unexpected[:20]:
             print(f"{name}{d}")
-        if len(diffs) > 20:
-            print(f"{name}: ... {len(diffs) - 20} more")
-        bad += bool(diffs)
-    print(f"{len(names) - bad} of {len(names)} cases identical")
+        if len(unexpected) > 20:
+            print(f"{name}: ... {len(unexpected) - 20} more")
+        bad += bool(unexpected)
+    for e, n in counts.items():
+        print(f"intended: {n} differences at {e}")
+    print(f"{len(names) - bad} of {len(names)} cases identical" + (" but for the intended differences" if expect else ""))
     return 1 if bad else 0
 
 
@@ -128,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare")
     c.add_argument("old", type=Path)
     c.add_argument("new", type=Path)
+    c.add_argument("--expect", action="append", default=[], metavar="REGEX",
+                   help="key paths of an intended difference (repeatable)")
     args = ap.parse_args(argv)
-    return record(args.dir) if args.cmd == "record" else compare(args.old, args.new)
+    return record(args.dir) if args.cmd == "record" else compare(args.old, args.new, args.expect)
 
 
 if __name__ == "__main__":

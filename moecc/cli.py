@@ -125,6 +125,7 @@ def exec_cmd(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from moecc_runtime.memory.arena import ArenaError
     from moecc_runtime.memory.copy_engine import CopyError
+    from moecc_runtime.job.lock import JobLockError
     from moecc_runtime.job.exec import run_job
     from moecc_runtime.plan import PlanError
     from moecc_runtime.job.results import FORMATS
@@ -158,6 +159,8 @@ def exec_cmd(
                           model_dir=model, max_tokens=max_tokens, device=device, max_batch=max_batch,
                           stats_path=stats, fmt=fmt, resume=resume, progress="quiet" if quiet else "auto",
                           handle_signals=True, log=None if quiet else sys.stderr, ray=ray_options)
+    except JobLockError as e:  # nothing was written: the files belong to another run, or collide
+        _fail(str(e))
     except (PlanError, WeightError, CopyError, ArenaError, OSError, RuntimeError, ValueError) as e:
         _fail(f"{e} (results finished before this are in {output or 'stdout'}; rerun with --resume to continue)")
     typer.echo(f"moecc: {summary.report()}" + (f"; errors in {errors}" if summary.failed and errors else ""),

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from moecc_runtime.memory.kv import KVGeometry
-from moecc_runtime.sampling import choose
+from moecc_runtime.sampling import SamplingError, choose
 from moecc_runtime.scheduler.blocks import BlockAllocator
 from moecc_runtime.scheduler.scheduler import DEFAULT_PREFILL_TOKENS, Scheduler
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult, Sequence
@@ -70,7 +70,8 @@ def generate(
     on_step: Callable[[int, int], None] | None = None,
 ) -> str:
     """Run every request to completion; `on_finish` is called as each one finishes.
-    A request that cannot fit the KV pool even alone goes to `on_error` (raised without it).
+    A request that cannot fit the KV pool even alone, or whose logits cannot be sampled, goes
+    to `on_error` (raised without it); the others go on.
     `stop_check(req, generated ids)` says whether a request with stop strings hit one;
     `on_step(tokens generated, sequences in flight)` is called after every step.
     Returns "done", or "drained" / "stopped" when `control` ended the run early."""
@@ -95,6 +96,12 @@ def generate(
         finishing = sched.advance(plan)
         chosen = choose(logits, [_request(s) for s in finishing], [s.generator for s in finishing])
         for s, row, tok in zip(finishing, logits, chosen):
+            if isinstance(tok, SamplingError):  # this request fails alone
+                sched.retire(s)
+                if on_error is None:
+                    raise tok
+                on_error(_request(s), f"request {_request(s).key!r}: {tok}")
+                continue
             if record_logits:
                 s.logits.append(row.clone())
             s.tokens.append(tok)

@@ -1,18 +1,6 @@
-"""The plan: a versioned, plain-data artifact (dicts, lists, strings, numbers, tensors)
-written by `moecc compile` and read here with `torch.load(weights_only=True)`.
-
-Top-level keys (schema version 2; 2 added `arena`):
-  schema, version      "moecc.plan", 1
-  model                {dir, architecture, model_type, fingerprint{config_sha256, weight_files}, info{...}}
-  batch                {prefill{B,b_a,b_e}, decode{B,b_a,b_e}, workload{...}}
-  memory               {device{...}, host{...}}
-  arena                None (no device budget: weights read in place) or the device arena the
-                       runtime carves: {bytes, resident[groups], dense_slot_bytes, expert_slots,
-                       expert_slot_bytes, kv_buffer_tokens, stage_bytes}
-  weights              {key: {tensor, file, offset, nbytes, dtype, shape}}   (file None: absent)
-  rope                 {inv_freq: tensor [hd/2], attention_scaling: float}
-  schedule             [{module, kind, layer, ops: [{op, name, inputs, weights{local: key}, attrs}]}]
-  predicted            {flops_per_token, weight_bytes, kv_bytes_per_token, ...}
+"""Plan files: writing and reading a plan (plain data, `torch.load(weights_only=True)`), and
+checking it against the checkpoint it names. What a plan holds, and the check of every
+field on load, is the schema's: moecc_runtime/plan_schema.py.
 """
 
 from __future__ import annotations
@@ -24,9 +12,11 @@ from typing import Any
 
 import torch
 
-SCHEMA = "moecc.plan"
-SCHEMA_VERSION = 2
-REQUIRED_KEYS = ("schema", "version", "model", "batch", "weights", "rope", "schedule")
+from moecc_runtime.memory.safetensors_header import DTYPES, HeaderError, TensorLocation, read_header, slice_of
+from moecc_runtime.plan_schema import SCHEMA, SCHEMA_VERSION, SchemaError, validate
+
+
+DTYPES_BY_NAME: dict[str, int] = dict(DTYPES.values())  # dtype name -> bytes per element
 
 
 class PlanError(Exception):
@@ -38,6 +28,8 @@ def save_plan(plan: dict[str, Any], path: str | Path) -> None:
 
 
 def load_plan(path: str | Path) -> dict[str, Any]:
+    """The plan at `path`, validated field by field against this runtime's schema; a plan of
+    another version, or one that holds anything beyond plain data, is refused (PlanError)."""
     p = Path(path)
     if not p.is_file():
         raise PlanError(f"{p}: no such plan file; make one with `moecc compile MODEL_DIR -o {p}`")
@@ -58,23 +50,28 @@ def load_plan(path: str | Path) -> dict[str, Any]:
             f"{p}: plan schema version {plan.get('version')} but this runtime reads version "
             f"{SCHEMA_VERSION}; recompile with `moecc compile`"
         )
-    missing = [k for k in REQUIRED_KEYS if k not in plan]
-    if missing:
-        raise PlanError(f"{p}: plan is missing {missing}; recompile it")
+    try:
+        validate(plan)
+    except SchemaError as e:
+        raise PlanError(f"{p}: not a valid moecc plan: {e}; recompile it with `moecc compile`") from None
     return plan
 
 
 def fingerprint(model_dir: str | Path, weight_files: list[str]) -> dict[str, Any]:
-    """config.json's hash and the sizes of the weight files (what compile recorded)."""
+    """config.json's hash, and the size and header hash (the tensor layout) of each weight
+    file: what compile records and exec checks."""
     d = Path(model_dir)
     return {
         "config_sha256": hashlib.sha256((d / "config.json").read_bytes()).hexdigest(),
         "weight_files": {f: (d / f).stat().st_size for f in sorted(weight_files)},
+        "weight_headers": {f: read_header(d / f).sha256 for f in sorted(weight_files)},
     }
 
 
 def check_checkpoint(plan: dict[str, Any], model_dir: str | Path | None = None) -> Path:
-    """Refuse a plan whose checkpoint is gone, changed, or lacks weights; return its dir."""
+    """Refuse a plan whose checkpoint is gone, changed (config, file sizes, tensor layout), or
+    lacks weights, or whose manifest names a file outside the checkpoint directory or bytes
+    that are not the tensor slice it says; return the checkpoint directory."""
     d = Path(model_dir or plan["model"]["dir"])
     want = plan["model"]["fingerprint"]
     if not (d / "config.json").is_file():
@@ -85,17 +82,54 @@ def check_checkpoint(plan: dict[str, Any], model_dir: str | Path | None = None) 
             f"the plan was compiled from {d} without weight files (a config-only plan, for "
             f"inspection); compile it from a directory that holds the *.safetensors to run it"
         )
+    for f in want["weight_files"]:
+        _plain_name(f, "model.fingerprint.weight_files")
     missing = [f for f in want["weight_files"] if not (d / f).is_file()]
     if missing:
         raise PlanError(f"{d}: weight files {missing} named in the plan are missing")
-    have = fingerprint(d, list(want["weight_files"]))
-    if have != want:
-        what = "config.json" if have["config_sha256"] != want["config_sha256"] else "weight file sizes"
-        raise PlanError(
-            f"plan was made for another checkpoint: {what} of {d} differ from what the plan "
-            f"recorded; recompile with `moecc compile {d}`"
-        )
+    have = {"config_sha256": hashlib.sha256((d / "config.json").read_bytes()).hexdigest(),
+            "weight_files": {f: (d / f).stat().st_size for f in sorted(want["weight_files"])}}
+    for what, key in (("config.json", "config_sha256"), ("weight file sizes", "weight_files"),
+                      ("the tensor layout (a safetensors header)", "weight_headers")):
+        if key == "weight_headers":  # read only once config and sizes agree
+            try:
+                have[key] = fingerprint(d, list(want["weight_files"]))[key]
+            except HeaderError as e:
+                raise PlanError(f"{e}; the checkpoint is damaged or changed since compile") from None
+        if have[key] != want[key]:
+            raise PlanError(f"plan was made for another checkpoint: {what} of {d} differ from what the plan "
+                            f"recorded; recompile with `moecc compile {d}`")
+    _check_manifest(plan, {f: read_header(d / f).tensors for f in want["weight_files"]})
     return d
+
+
+def _plain_name(name: Any, where: str) -> None:
+    """A weight file is named by a plain file name inside the checkpoint directory."""
+    if not isinstance(name, str) or name != Path(name).name or name in ("", ".", "..") or "\\" in name:
+        raise PlanError(f"{where}: {name!r} is not a file name inside the checkpoint directory; "
+                        f"this plan is not one moecc wrote: recompile it")
+
+
+def _check_manifest(plan: dict[str, Any], headers: dict[str, dict[str, TensorLocation]]) -> None:
+    """Every manifest entry is the slice of its tensor it says: same file, dtype, shape, offset."""
+    for key, e in plan["weights"].items():
+        where = f"plan.weights[{key!r}]"
+        if e["file"] is None:
+            continue
+        _plain_name(e["file"], f"{where}.file")
+        loc = headers.get(e["file"], {}).get(e["tensor"])
+        if loc is None or loc.dtype != e["dtype"]:
+            found = "absent" if loc is None else f"of dtype {loc.dtype}"
+            raise PlanError(f"{where}: tensor {e['tensor']} ({e['dtype']}) is {found} in {e['file']}; "
+                            f"recompile the plan for this checkpoint")
+        try:
+            offset, shape = slice_of(loc, e["index"], e["rows"], DTYPES_BY_NAME[loc.dtype])
+        except HeaderError as err:
+            raise PlanError(f"{where}: {err}; recompile the plan for this checkpoint") from None
+        if (offset, list(shape)) != (e["offset"], list(e["shape"])):
+            raise PlanError(f"{where}: names bytes at {e['offset']} of shape {e['shape']} but tensor "
+                            f"{e['tensor']}'s slice is at {offset} of shape {list(shape)} in {e['file']}; "
+                            f"recompile the plan for this checkpoint")
 
 
 def describe(plan: dict[str, Any]) -> str:

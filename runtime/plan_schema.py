@@ -11,7 +11,8 @@ the planner's step model, the residency group of a module, the KV geometry of a 
 
 Version 3 (this one) added each module's `residency_group` and the KV geometry (`layers`,
 `heads`, `key_dim`, `value_dim`) under `batch.kv`, made `batch.kv.block_size` required,
-and dropped the unused `output` key. Plans of other versions are refused with "recompile".
+dropped the unused `output` key, and records each weight file's header hash in the
+fingerprint. Plans of other versions are refused with "recompile".
 """
 
 # no `from __future__ import annotations`: TypedDict reads NotRequired from live annotations
@@ -47,7 +48,7 @@ OP_JOB_KIND: dict[str, str] = {"attention": "attention", "router": "router", "ml
 def residency_group(kind: str, layer: int | None) -> str | None:
     """The residency group of a module's non-expert weights: what the planner keeps on the
     device or streams as a unit (`L3.attn`, `L3.dense`, `head`; None: the stem, which runs
-    on the host). Expert weights are `L3.experts`."""
+    on the host). Expert weights are `expert_group(layer)`."""
     if kind == "head":
         return "head"
     if kind == "attn":
@@ -55,6 +56,11 @@ def residency_group(kind: str, layer: int | None) -> str | None:
     if layer is None:
         return None
     return f"L{layer}.dense"
+
+
+def expert_group(layer: int) -> str:
+    """The residency group of one layer's routed experts (`L3.experts`)."""
+    return f"L{layer}.experts"
 
 
 def kv_geometry(num_kv_heads: int, head_dim: int, mla: dict[str, Any] | None) -> tuple[int, int, int]:
@@ -69,6 +75,7 @@ def kv_geometry(num_kv_heads: int, head_dim: int, mla: dict[str, Any] | None) ->
 class Fingerprint(TypedDict):
     config_sha256: str
     weight_files: dict[str, int]  # file name in the checkpoint dir -> size in bytes
+    weight_headers: dict[str, str]  # file name -> sha256 of its safetensors header (the tensor layout)
 
 
 class ModelInfo(TypedDict):

@@ -21,17 +21,24 @@ class SamplingParams(Protocol):
     top_k: int
 
 
+class SamplingError(ValueError):
+    """One row's logits cannot be sampled (not finite): that request fails, the others go on."""
+
+
 def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
+           generators: Sequence[torch.Generator | None]) -> list[int | SamplingError]:
     """logits [S, V] -> one token per row: greedy rows in one argmax, the rest sampled per
-    row with its request's parameters and generator."""
-    greedy = [i for i, p in enumerate(params) if p.temperature <= 0.0]
-    out = [0] * len(params)
+    row with its request's parameters and generator. A row whose logits are not all finite
+    gets a SamplingError in its place instead of a token."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S]
+    greedy = [i for i, p in enumerate(params) if p.temperature <= 0.0 and finite[i]]
+    out: list[int | SamplingError] = [SamplingError("the model's logits for this request are not finite "
+                                                    "(NaN or infinite)") for _ in params]
     if greedy:
         for i, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
             out[i] = t
     for i, p in enumerate(params):
-        if p.temperature > 0.0:
+        if p.temperature > 0.0 and finite[i]:
             out[i] = next_token(logits[i], p.temperature, p.top_p, p.top_k, generators[i])
     return out
 
@@ -44,11 +51,14 @@ def request_generator(seed: int | None, custom_id: str) -> torch.Generator:
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
                generator: torch.Generator | None) -> int:
-    """logits: [V] (any float dtype) -> token id."""
+    """logits: [V] (any float dtype, finite) -> token id. Safe for any temperature > 0: the
+    scores are shifted so the largest is 0 before dividing, so a tiny temperature gives
+    -inf (never inf - inf = NaN) to every token but the best ones."""
     logits = logits.float().cpu()
     if temperature <= 0.0:
         return int(torch.argmax(logits))
-    scores = logits / temperature  # [V]
+    t = max(temperature, torch.finfo(torch.float32).tiny)  # a float32 divisor > 0: 0 / t stays 0
+    scores = (logits - logits.max()) / t  # [V], max 0
     if top_k > 0 and top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -37,7 +37,7 @@ def is_forbidden(module: str) -> bool:
 
 @pytest.mark.parametrize(
     ("name", "forbidden"),
-    [("moecc", True), ("moecc.compiler", True), ("moecc_runtime", False), ("moecc_runtime.exec", False),
+    [("moecc", True), ("moecc.compiler", True), ("moecc_runtime", False), ("moecc_runtime.job.exec", False),
      ("onnx", True), ("onnx.helper", True), ("onnxruntime", False), ("networkx.algorithms", True),
      ("ortools.linear_solver", True), ("torch", False)],
 )

@@ -1,4 +1,4 @@
-"""emit_plan: lower the graph to the plan (see moecc_runtime.plan for the schema).
+"""emit_plan: lower the graph to the plan (the schema: moecc_runtime/plan_schema.py).
 
 Requires: batch_sizes, transfers.
 Does: one schedule entry per module, in order, with its ops (compute ops, host buffers
@@ -6,7 +6,8 @@ and transfers) naming inputs by value name and weights by manifest key; the weig
 manifest maps each key (<node>.<local>) to file, absolute byte offset, dtype and shape of
 the exact slice (one expert of a fused tensor is an offset, not a copy); the fingerprint
 of the checkpoint; the solved sizes; predicted figures.
-Guarantees: plan (graph.attrs["plan"], plain data only, loadable with weights_only=True).
+Guarantees: plan (graph.attrs["plan"], plain data only, loadable with weights_only=True,
+valid against the runtime's schema: each module's residency group, the KV geometry).
 Options: none (reads ctx.options.checkpoint, the frontend's Checkpoint).
 """
 
@@ -17,16 +18,12 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.plan import SCHEMA, SCHEMA_VERSION
+from moecc_runtime.memory.safetensors_header import slice_of
+from moecc_runtime.plan_schema import OPS, SCHEMA, SCHEMA_VERSION, SchemaError, residency_group, validate
 
 from moecc.errors import PassError
 from moecc.ir import DTYPE_BYTES, Graph, WeightRef
 from moecc.ir.pass_infra import Pass, PassContext, PassResult
-
-PLAN_OPS = frozenset({"embed", "rope", "rmsnorm", "attention", "router", "experts", "mlp", "linear", "add",
-                      "mul", "sigmoid", "lm_head", "host_buffer", "fetch_weights", "fetch_experts",
-                      "kv_load", "kv_store"})
-
 
 class EmitPlan(Pass):
     name = "emit_plan"
@@ -38,16 +35,36 @@ class EmitPlan(Pass):
         ckpt = ctx.options.checkpoint
         if ckpt is None:
             raise PassError(self.name, "ctx.options.checkpoint is not set (the frontend's Checkpoint)")
+        schedule, manifest = self._schedule(g, ckpt)
+        plan = _plan(g, ckpt, schedule, manifest)
+        try:
+            validate(plan)  # the runtime's schema: what it will refuse is never written
+        except SchemaError as e:
+            raise PassError(self.name, f"the plan does not follow the runtime's schema: {e}") from e
+        g.attrs["plan"] = plan
+        g.attrs["plan_summary"] = {
+            "modules": len(schedule),
+            "ops": sum(len(m["ops"]) for m in schedule),
+            "weight_slices": len(manifest),
+            "weights_present": ckpt.has_weights,
+            "flops_per_token": plan["predicted"]["flops_per_token"],
+        }
+        return PassResult(g, modified=True)
+
+    def _schedule(self, g: Graph, ckpt: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+        """(schedule, weight manifest): one entry per module in order, with its ops; every
+        weight an op reads as a manifest key."""
         manifest: dict[str, dict[str, Any]] = {}
         schedule: list[dict[str, Any]] = []
         for n in g.nodes:
             if n.op in ("input", "output"):
                 continue
-            if n.op not in PLAN_OPS:
+            if n.op not in OPS:
                 raise PassError(self.name, f"node %{n.name}: op {n.op!r} has no runtime lowering")
             if not schedule or schedule[-1]["module"] != n.module:
                 kind = n.module.split(".")[-1] if n.module and "." in n.module else n.module
-                schedule.append({"module": n.module, "kind": kind, "layer": n.layer, "ops": []})
+                schedule.append({"module": n.module, "kind": kind, "layer": n.layer,
+                                 "residency_group": residency_group(kind, n.layer), "ops": []})
             wkeys = {}
             for local, ref in n.weights.items():
                 key = f"{n.name}.{local}"
@@ -55,72 +72,54 @@ class EmitPlan(Pass):
                 wkeys[local] = key
             attrs = {k: v for k, v in n.attrs.items() if k != "inv_freq"}
             if n.op == "fetch_weights" or n.op == "fetch_experts":
-                target = n.name.removeprefix("fetch.")
-                attrs["for"] = target
+                attrs["for"] = n.name.removeprefix("fetch.")
             schedule[-1]["ops"].append({"op": n.op, "name": n.name, "inputs": list(n.inputs),
                                         "weights": wkeys, "attrs": attrs})
-        rope = g.node("rope")
-        info = dataclasses.asdict(g.info)
-        flops = sum(n.flops_per_token for n in g.nodes)
-        plan = {
-            "schema": SCHEMA,
-            "version": SCHEMA_VERSION,
-            "model": {
-                "dir": str(ckpt.directory),
-                "architecture": g.info.architecture,
-                "model_type": g.info.model_type,
-                "fingerprint": ckpt.fingerprint(),
-                "info": info,
-            },
-            "batch": g.attrs["batch"],
-            "memory": g.attrs.get("memory", {}),
-            "arena": g.attrs.get("arena"),
-            "weights": manifest,
-            "rope": {"inv_freq": torch.tensor(rope.attrs["inv_freq"], dtype=torch.float32),
-                     "attention_scaling": float(rope.attrs["attention_scaling"])},
-            "schedule": schedule,
-            "output": "lm_head",
-            "timeline": g.attrs.get("timeline"),  # predicted step DAGs (moecc explain --timeline)
-            "predicted": {
-                "flops_per_token": flops,
-                "weight_bytes": g.weight_bytes,
-                "kv_bytes_per_token": g.info.kv_bytes_per_token,
-                **g.attrs.get("predicted", {}),
-            },
-        }
-        g.attrs["plan"] = plan
-        g.attrs["plan_summary"] = {
-            "modules": len(schedule),
-            "ops": sum(len(m["ops"]) for m in schedule),
-            "weight_slices": len(manifest),
-            "weights_present": ckpt.has_weights,
-            "flops_per_token": flops,
-        }
-        return PassResult(g, modified=True)
+        return schedule, manifest
 
 
-def _locate(ckpt, ref: WeightRef) -> dict[str, Any]:
-    """File and absolute byte offset of the exact slice `ref` names (no copy is ever made)."""
+def _plan(g: Graph, ckpt: Any, schedule: list[dict[str, Any]], manifest: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The plan as plain data (moecc_runtime.plan_schema.Plan)."""
+    rope = g.node("rope")
+    heads, key_dim, value_dim = g.info.kv_geometry
+    batch = g.attrs["batch"]
+    kv = {**batch["kv"], "layers": g.info.num_layers, "heads": heads, "key_dim": key_dim, "value_dim": value_dim}
+    return {
+        "schema": SCHEMA,
+        "version": SCHEMA_VERSION,
+        "model": {
+            "dir": str(ckpt.directory),
+            "architecture": g.info.architecture,
+            "model_type": g.info.model_type,
+            "fingerprint": ckpt.fingerprint(),
+            "info": dataclasses.asdict(g.info),
+        },
+        "batch": {**batch, "kv": kv},
+        "memory": g.attrs.get("memory", {}),
+        "arena": g.attrs.get("arena"),
+        "weights": manifest,
+        "rope": {"inv_freq": torch.tensor(rope.attrs["inv_freq"], dtype=torch.float32),
+                 "attention_scaling": float(rope.attrs["attention_scaling"])},
+        "schedule": schedule,
+        "timeline": g.attrs.get("timeline"),  # predicted step DAGs (moecc explain --timeline)
+        "predicted": {
+            "flops_per_token": sum(n.flops_per_token for n in g.nodes),
+            "weight_bytes": g.weight_bytes,
+            "kv_bytes_per_token": g.info.kv_bytes_per_token,
+            **g.attrs.get("predicted", {}),
+        },
+    }
+
+
+def _locate(ckpt: Any, ref: WeightRef) -> dict[str, Any]:
+    """File and absolute byte offset of the exact slice `ref` names (no copy is ever made;
+    the runtime checks it against the file's header with the same `slice_of`)."""
     loc = ckpt.tensors.get(ref.tensor)
     entry = {"tensor": ref.tensor, "dtype": ref.dtype, "shape": list(ref.shape),
              "index": ref.index, "rows": list(ref.rows) if ref.rows else None}
     if loc is None:
         entry.update(file=None, offset=None, nbytes=ref.nbytes)
         return entry
-    dims = list(loc.shape)
-    elem = 0
-    inner = dims
-    if ref.index is not None:
-        elem += ref.index * _prod(dims[1:])
-        inner = dims[1:]
-    if ref.rows is not None:
-        elem += ref.rows[0] * _prod(inner[1:])
-    entry.update(file=loc.file, offset=loc.offset + elem * DTYPE_BYTES[loc.dtype], nbytes=ref.nbytes)
+    offset, _ = slice_of(loc, ref.index, ref.rows, DTYPE_BYTES[loc.dtype])
+    entry.update(file=loc.file, offset=offset, nbytes=ref.nbytes)
     return entry
-
-
-def _prod(xs: list[int]) -> int:
-    p = 1
-    for x in xs:
-        p *= int(x)
-    return p

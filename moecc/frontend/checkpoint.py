@@ -1,37 +1,17 @@
 """Read a checkpoint directory without loading weights: config.json, the safetensors
-headers (names, dtypes, shapes, byte offsets), the shard index, and a fingerprint.
-
-A safetensors file is: 8 bytes little-endian header length N, N bytes of JSON header
-({name: {dtype, shape, data_offsets: [begin, end]}}), then the data; offsets are relative
-to the end of the header.
+headers (names, dtypes, shapes, byte offsets; read and validated by the runtime's
+moecc_runtime/memory/safetensors_header.py), the shard index, and a fingerprint.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moecc_runtime.memory.safetensors_header import HeaderError, TensorLocation, read_header
+
 from moecc.errors import CheckpointError
-
-SAFETENSORS_DTYPES = {
-    "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
-
-
-@dataclass(frozen=True)
-class TensorLocation:
-    """Where one checkpoint tensor's bytes are: file (relative to the model dir) and the
-    absolute byte offset of its first element."""
-
-    file: str
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
 
 
 @dataclass
@@ -54,29 +34,12 @@ class Checkpoint:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorLocation]:
-    """Parse one safetensors file's header into TensorLocations (absolute offsets)."""
+    """One safetensors file's tensors (absolute offsets), its header validated as the
+    safetensors library validates it (the runtime's reader: exec checks plans against it)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CheckpointError(f"{path}: too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", raw)
-            if n > 100 * 2**20:
-                raise CheckpointError(f"{path}: header length {n} is not plausible; is it a safetensors file?")
-            header = json.loads(f.read(n))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
-    out: dict[str, TensorLocation] = {}
-    base = 8 + n
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(meta.get("dtype", ""))
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {meta.get('dtype')!r}")
-        begin, end = meta["data_offsets"]
-        out[name] = TensorLocation(path.name, base + begin, end - begin, dtype, tuple(meta["shape"]))
-    return out
+        return read_header(path).tensors
+    except HeaderError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def read_checkpoint(directory: str | Path) -> Checkpoint:
@@ -110,6 +73,8 @@ def read_checkpoint(directory: str | Path) -> Checkpoint:
     else:
         files = sorted(p.name for p in d.glob("*.safetensors"))
     for fname in files:
+        if not isinstance(fname, str) or fname != Path(fname).name or fname in ("", ".", ".."):
+            raise CheckpointError(f"{index}: shard {fname!r} is not a file name in the checkpoint directory")
         path = d / fname
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the shard index but missing")

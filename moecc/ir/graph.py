@@ -15,6 +15,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from moecc_runtime.memory.safetensors_header import DTYPES as SAFETENSORS_DTYPES
+from moecc_runtime.plan_schema import TRANSFER_OPS as SCHEMA_TRANSFER_OPS
+from moecc_runtime.plan_schema import kv_geometry
+
 # op -> what it computes (the runtime implements every compute op here)
 OPS: dict[str, str] = {
     "input": "graph input (token ids or positions)",
@@ -39,7 +43,7 @@ OPS: dict[str, str] = {
     "kv_store": "device->host copy of the new K/V of a micro-batch",
 }
 
-TRANSFER_OPS = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
+TRANSFER_OPS = SCHEMA_TRANSFER_OPS  # the plan schema's (moecc_runtime/plan_schema.py)
 
 
 @dataclass(frozen=True)
@@ -73,11 +77,8 @@ class WeightRef:
         return f"{self.tensor}{sel}"
 
 
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
+#: bytes per element of every dtype a checkpoint may hold (the runtime's header reader's table)
+DTYPE_BYTES: dict[str, int] = dict(SAFETENSORS_DTYPES.values())
 
 
 @dataclass
@@ -109,7 +110,9 @@ class Node:
 
 @dataclass
 class ModelInfo:
-    """Config facts every pass and the runtime need (plain data)."""
+    """Config facts every pass and the runtime need (plain data). The plan carries it as
+    `model.info`, whose schema is moecc_runtime.plan_schema.ModelInfo: the same fields, which
+    tests/test_plan_schema.py keeps equal."""
 
     architecture: str
     model_type: str
@@ -132,10 +135,13 @@ class ModelInfo:
     def kv_row_bytes(self) -> int:
         """What one layer caches per token: K and V heads, or with multi-head latent attention
         (extra["mla"]) only the compressed latent and the shared rope key."""
-        mla = self.extra.get("mla")
-        if mla:
-            return (int(mla["kv_lora_rank"]) + int(mla["qk_rope_head_dim"])) * DTYPE_BYTES[self.dtype]
-        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        heads, key_dim, value_dim = self.kv_geometry
+        return heads * (key_dim + value_dim) * DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_geometry(self) -> tuple[int, int, int]:
+        """(heads, key_dim, value_dim) cached per layer and token (the plan schema's rule)."""
+        return kv_geometry(self.num_kv_heads, self.head_dim, self.extra.get("mla"))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -34,13 +34,15 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from moecc_runtime.plan_schema import COMPUTE_JOB_KINDS, COPY_JOB_KINDS
+
 from moecc.planner.hardware import CALIBRATION_FACTOR_RANGE, HardwareProfile
 from moecc.planner.cost_model import CostModel, choice_of, streams_of
 from moecc.planner.costs import ModelCost
 from moecc.planner.schedule import Knobs, Schedule, StepShape, mode_of
 
-COPY_KINDS = ("fetch", "kv_load")
-COMPUTE_KINDS = ("attention", "gemm", "router", "head")
+COPY_KINDS = COPY_JOB_KINDS
+COMPUTE_KINDS = COMPUTE_JOB_KINDS
 #: measured compute kinds folded into a modelled one (the rest, e.g. stem, is overhead)
 FOLD = {"glue": "router"}
 MIN_SPREAD = 0.2  # the two steps' seconds per job must differ by this share to fit both parts

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from moecc_runtime.plan_schema import COMPUTE_JOB_KINDS, COPY_JOB_KINDS
+
 from moecc.errors import HardwareError
 
 SCHEMA = "moecc.hardware"
@@ -42,7 +44,7 @@ _MLP_KEY = re.compile(r"^(float32|bfloat16|float16):(\d+)x(\d+)$")
 COPY_DIRECTIONS: tuple[str, ...] = ("h2d", "d2h")
 #: calibration (see HardwareProfile.calibrated): execution modes and the job kinds corrected
 CALIBRATION_MODES: tuple[str, ...] = ("resident", "streamed")
-CALIBRATION_KINDS: tuple[str, ...] = ("attention", "gemm", "router", "head", "fetch", "kv_load")
+CALIBRATION_KINDS: tuple[str, ...] = COMPUTE_JOB_KINDS + COPY_JOB_KINDS  # the plan schema's job kinds
 CALIBRATION_FACTOR_RANGE = (0.05, 50.0)
 
 # Fraction of memory bandwidth that the runtime's elementwise glue (norms, residual adds,

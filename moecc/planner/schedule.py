@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import networkx as nx
+from moecc_runtime.plan_schema import expert_group, residency_group
 
 from moecc.planner.costs import LayerCost, ModelCost
 
@@ -275,7 +276,7 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
     for lc in cost.layers:
         i = lc.layer
         wfetch = None
-        if streams and not knobs.is_resident(f"L{i}.attn"):
+        if streams and not knobs.is_resident(str(residency_group("attn", i))):
             wfetch = copy_job(f"L{i}.fetch.attn", lc.attn_bytes, "fetch", [], i)
         attn_jobs = []
         for m in range(M):
@@ -295,7 +296,7 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
             n_jobs = max(1, int(math.ceil(used - 1e-9)))
             per_expert = T * lc.top_k / max(used, 1e-9)  # tokens per expert in use
             computes: list[str] = []
-            resident = knobs.is_resident(f"L{i}.experts") or not streams
+            resident = knobs.is_resident(expert_group(i)) or not streams
             for e in range(n_jobs):
                 share = min(1.0, used - e)  # the last job carries the fractional expert
                 fetch = None
@@ -312,12 +313,12 @@ def build_schedule(cost: ModelCost, rates: Rates, shape: StepShape, knobs: Knobs
             prev = computes[-1]
         else:
             dfetch = None
-            if streams and not knobs.is_resident(f"L{i}.dense"):
+            if streams and not knobs.is_resident(str(residency_group("moe", i))):
                 dfetch = copy_job(f"L{i}.fetch.dense", lc.dense_bytes, "fetch", [prev], i)
             prev = add(f"L{i}.mlp", "compute", cal("gemm", gemm_seconds(rates, dt, lc.dense_flops, T, knobs.b_e)
                                                      + stolen(dfetch)), "gemm", [prev, dfetch], i)
     hfetch = None
-    if streams and not knobs.is_resident("head"):
+    if streams and not knobs.is_resident(str(residency_group("head", None))):
         hfetch = copy_job("head.fetch", cost.head_bytes, "fetch", [], None)
     add("head", "compute", head_seconds(cost, rates, shape.head_rows, mode) + cal("head", stolen(hfetch), 0.0),
         "head", [prev, hfetch])

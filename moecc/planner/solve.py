@@ -42,15 +42,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from moecc_runtime.plan_schema import ALIGN, KV_BLOCK_SIZE, expert_group, residency_group
+
 from moecc.planner.cost_model import Choice, CostModel, Workload
 from moecc.planner.costs import ModelCost
 from moecc.planner.schedule import Rates, experts_in_use
 
 DEVICE_DERATE = 0.9
 HOST_DERATE = 0.8
-KV_BLOCK = 8
+KV_BLOCK = KV_BLOCK_SIZE
 NO_OVERLAP = 0.1  # a profile whose copies hide less than this behind compute gets no prefetch
-ALIGN = 256  # the runtime carves arena tensors at this alignment (runtime/memory/arena.py)
 DENSE_SLOT_PAD = 16 * ALIGN  # room for the alignment of up to 16 tensors in one module's slot
 EXPERT_SLOT_PAD = 6 * ALIGN  # gate, up, down (+ biases)
 CPU_FRESH_MAP_BYTES = 32 * 2**20
@@ -97,11 +98,11 @@ class Problem:
         if not self.copies:
             return out
         for lc in self.cost.layers:  # bytes plus the runtime's alignment of each tensor
-            out[f"L{lc.layer}.attn"] = lc.attn_bytes + DENSE_SLOT_PAD
+            out[str(residency_group("attn", lc.layer))] = lc.attn_bytes + DENSE_SLOT_PAD
             if lc.moe:
-                out[f"L{lc.layer}.experts"] = (lc.expert_bytes + EXPERT_SLOT_PAD) * lc.num_experts
-            out[f"L{lc.layer}.dense"] = lc.dense_bytes + lc.router_bytes + DENSE_SLOT_PAD
-        out["head"] = self.cost.head_bytes + DENSE_SLOT_PAD
+                out[expert_group(lc.layer)] = (lc.expert_bytes + EXPERT_SLOT_PAD) * lc.num_experts
+            out[str(residency_group("moe", lc.layer))] = lc.dense_bytes + lc.router_bytes + DENSE_SLOT_PAD
+        out[str(residency_group("head", None))] = self.cost.head_bytes + DENSE_SLOT_PAD
         return out
 
     def kv_buffer_tokens(self, b_a: int) -> int:
@@ -429,6 +430,7 @@ def _cp_sat(pr: Problem, tb: _Tables, pre: list[tuple[int, int, int]], time_limi
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 2
+    solver.parameters.interleave_search = True  # deterministic: one input, one plan, on every compile
     solver.parameters.relative_gap_limit = 1e-4  # optimal to 0.01%: far below the model's own error
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

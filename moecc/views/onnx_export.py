@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from moecc_runtime.plan_schema import expert_group, residency_group
+
 from moecc.ir import Graph, Node
 
 DOMAIN = "ai.moecc"
@@ -52,9 +54,8 @@ def placement(n: Node, graph: Graph) -> str:
     if arena is None:
         return "device"
     groups = set(arena.get("resident") or [])
-    layer = n.module.split(".")[0] if n.module else ""
-    group = ("head" if n.module == "head" else f"{layer}.attn" if n.module and n.module.endswith(".attn")
-             else f"{layer}.experts" if n.op == "experts" else f"{layer}.dense")
+    kind = n.module.split(".")[-1] if n.module else ""
+    group = expert_group(n.layer) if n.op == "experts" and n.layer is not None else residency_group(kind, n.layer)
     return "device, resident" if group in groups or "all" in groups else "device, streamed"
 
 

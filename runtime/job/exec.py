@@ -26,6 +26,7 @@ from typing import IO, Any
 import torch
 
 from moecc_runtime.engine import Engine, generate
+from moecc_runtime.job.lock import check_distinct, open_locked, release
 from moecc_runtime.job.progress import Progress
 from moecc_runtime.job.requests import Request, RequestError, iter_requests
 from moecc_runtime.job.results import Done, ResultWriter, error_key, scan_done
@@ -132,16 +133,17 @@ def run_job(
                         f"(staging for B + prefill rows); recompile with `moecc compile ... --max-batch {max_batch}`")
     if resume and not isinstance(output, (str, Path)):
         raise ValueError("resume needs the output file's path (results are appended to it)")
-    summary = JobSummary()
-    done = Done()
-    if resume:
-        done = scan_done(Path(output), Path(errors_path) if errors_path else None)
-        summary.repaired = done.repaired
-        if log is not None:
-            for p in done.repaired:
-                print(f"moecc: {p}: cut a torn last line left by an interrupted run", file=log)
-    tok = Tokenizer(mdir)
-    out_file = open(output, "a" if resume else "w", encoding="utf-8") if isinstance(output, (str, Path)) else output
+    if isinstance(output, (str, Path)):
+        check_distinct(Path(prompts_path), Path(output), Path(errors_path) if errors_path else None)
+        out_file = open_locked(Path(output), resume)  # before the resume scan: this run owns the files now
+    else:
+        out_file = output
+    try:
+        summary, done, tok = _prepare(mdir, output, errors_path, resume, log)
+    except BaseException:
+        if out_file is not output:
+            release(Path(output), out_file)
+        raise
     writer = ResultWriter(out_file, Path(errors_path) if errors_path else None, fmt,
                           model=Path(str(plan["model"]["dir"])).name, append_errors=resume)
     try:
@@ -152,7 +154,21 @@ def run_job(
     finally:
         writer.close()
         if out_file is not output:
-            out_file.close()
+            release(Path(output), out_file)
+
+
+def _prepare(mdir: Path, output: IO[str] | str | Path, errors_path: str | Path | None, resume: bool,
+             log: IO[str] | None) -> tuple[JobSummary, Done, Tokenizer]:
+    """The job's summary, what an earlier run already did (with `resume`), and the tokenizer."""
+    summary = JobSummary()
+    done = Done()
+    if resume:
+        done = scan_done(Path(output), Path(errors_path) if errors_path else None)  # type: ignore[arg-type]
+        summary.repaired = done.repaired
+        if log is not None:
+            for p in done.repaired:
+                print(f"moecc: {p}: cut a torn last line left by an interrupted run", file=log)
+    return summary, done, Tokenizer(mdir)
 
 
 class Job:

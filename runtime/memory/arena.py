@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-ALIGN = 256
+from moecc_runtime.plan_schema import ALIGN as PLAN_ALIGN
+
+ALIGN = PLAN_ALIGN  # the plan schema's: the planner sizes slots with it
 
 
 def align(n: int) -> int:

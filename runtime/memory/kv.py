@@ -18,10 +18,6 @@ from typing import Any
 
 import torch
 
-#: KV block size when the plan names none (the planner writes its own into plan["batch"]["kv"])
-DEFAULT_BLOCK_SIZE = 16
-
-
 @dataclass(frozen=True)
 class KVGeometry:
     """What one pool holds: layers, cached heads and their widths, blocks and block size."""
@@ -36,17 +32,11 @@ class KVGeometry:
     @classmethod
     def from_plan(cls, plan: dict[str, Any], kv_blocks: int | None = None,
                   block_size: int | None = None) -> "KVGeometry":
-        """The plan's pool, or `kv_blocks` blocks of `block_size` when given (tests, tuning);
-        without a planned pool, room for B sequences of the workload's seq_len."""
-        kv_plan = plan["batch"].get("kv", {})
-        bs = int(block_size or kv_plan.get("block_size", DEFAULT_BLOCK_SIZE))
-        seq_len = int(plan["batch"]["workload"]["seq_len"])
-        nb = int(kv_blocks or kv_plan.get("num_blocks") or int(plan["batch"]["decode"]["B"]) * -(-seq_len // bs))
-        info = plan["model"]["info"]
-        mla = info.get("extra", {}).get("mla")
-        if mla:  # latent attention caches one "head": the latent and the rope key, no V
-            return cls(info["num_layers"], 1, int(mla["kv_lora_rank"]) + int(mla["qk_rope_head_dim"]), 0, bs, nb)
-        return cls(info["num_layers"], info["num_kv_heads"], info["head_dim"], info["head_dim"], bs, nb)
+        """The plan's pool (plan["batch"]["kv"], written by the compiler: moecc_runtime.plan_schema
+        KVGeometry), or `kv_blocks` blocks of `block_size` when given (tests, tuning)."""
+        kv = plan["batch"]["kv"]
+        return cls(int(kv["layers"]), int(kv["heads"]), int(kv["key_dim"]), int(kv["value_dim"]),
+                   int(block_size or kv["block_size"]), int(kv_blocks or kv["num_blocks"]))
 
 
 class KVPool:

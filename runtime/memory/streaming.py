@@ -27,21 +27,10 @@ from moecc_runtime.memory.arena import ALIGN, ArenaError, DeviceArena, Region, a
 from moecc_runtime.memory.copy_engine import CopyEngine, CopyError, Ticket
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.weights import WeightError, WeightStore
+from moecc_runtime.plan_schema import expert_group
 from moecc_runtime.worker import kernels
 
 ExpertWeights = tuple[torch.Tensor, ...]  # in kernels.expert_parts order: gate, up, down (or gpt-oss's four)
-
-
-def module_group(module: dict) -> str | None:
-    """The planner's residency group of a module's non-expert weights (None: host only)."""
-    kind, layer = module["kind"], module["layer"]
-    if kind == "head":
-        return "head"
-    if kind == "attn":
-        return f"L{layer}.attn"
-    if layer is None:
-        return None  # the stem (embedding) runs on the host
-    return f"L{layer}.dense"
 
 
 def dense_keys(module: dict) -> list[str]:
@@ -152,7 +141,7 @@ class StreamedWeights:
         self.resident_experts: set[str] = set()  # expert op names whose experts are resident
         res_keys: list[str] = []
         for m in self.schedule:
-            g = module_group(m)
+            g = m["residency_group"]  # None: host only (the stem)
             keys = dense_keys(m) if g is not None else []
             if g is not None and g in resident:
                 res_keys += keys
@@ -160,7 +149,7 @@ class StreamedWeights:
             else:
                 self.units.append(keys or None)
             for op in m["ops"]:
-                if op["op"] == "experts" and f"L{m['layer']}.experts" in resident:
+                if op["op"] == "experts" and expert_group(m["layer"]) in resident:
                     self.resident_experts.add(op["name"])
                     res_keys += list(op["weights"].values())
         self._load_resident(res_keys)
@@ -412,4 +401,4 @@ class KVStaging:
                 b.key, b.ticket = None, None
 
 
-__all__ = ["ALIGN", "Copier", "InPlaceWeights", "KVStaging", "StreamedWeights", "module_group"]
+__all__ = ["ALIGN", "Copier", "InPlaceWeights", "KVStaging", "StreamedWeights"]

@@ -40,6 +40,8 @@ class WeightStore:
     def _map(self, fname: str) -> mmap.mmap:
         m = self._maps.get(fname)
         if m is None:
+            if fname != Path(fname).name or fname in ("", ".", ".."):
+                raise WeightError(f"weight file {fname!r}: not a file name inside {self.dir}; refusing to read it")
             path = self.dir / fname
             try:
                 with open(path, "rb") as f:

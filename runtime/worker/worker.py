@@ -33,17 +33,13 @@ from moecc_runtime.memory.kv import KVGeometry, KVPool
 from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore
 from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
+from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.attention import GatheredAttention
 from moecc_runtime.worker.batch import MicroBatch, StepBatch
 from moecc_runtime.worker.stats import EngineStats, account, copy_counters
 from moecc_runtime.worker.timeline import StepTrace, pick_trace
 
-#: ops the weights policy and the KV staging carry out (memory/streaming.py): skipped here
-TRANSFER_OPS = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
-#: op -> its kind on the measured timeline (the planner's job kinds; the rest is "glue")
-_TIMELINE_KINDS = {"attention": "attention", "router": "router", "mlp": "gemm", "linear": "gemm",
-                   "lm_head": "head", "embed": "stem", "rope": "stem"}
 
 
 def _next_attention(schedule: list[dict]) -> list[tuple[int, int | None] | None]:
@@ -200,7 +196,7 @@ class Worker:
         trace = self._trace
         for op in module["ops"]:
             kind = op["op"]
-            if kind in TRANSFER_OPS:
+            if kind in TRANSFER_OPS:  # the weights policy and the KV staging did these (memory/)
                 continue  # the weights policy and the KV staging did these (see streaming.py)
             t_op = time.perf_counter() if trace is not None else 0.0
             inputs = [arg(i) for i in op["inputs"] if self._producer.get(i) not in TRANSFER_OPS]
@@ -215,7 +211,7 @@ class Worker:
             if trace is not None and kind != "experts":  # experts: one job per expert (StepTrace.experts)
                 name = f"L{self._layer}.attn.{mb.index}" if kind == "attention" and mb is not None else \
                     f"{module['module']}.{op['name']}"
-                trace.add(name, "compute", _TIMELINE_KINDS.get(kind, "glue"), self._layer, t_op, time.perf_counter())
+                trace.add(name, "compute", OP_JOB_KIND.get(kind, "glue"), self._layer, t_op, time.perf_counter())
         return last
 
     def _host_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

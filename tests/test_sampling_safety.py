@@ -1,0 +1,54 @@
+"""Sampling is numerically safe for every temperature the parser accepts, and a row that
+cannot be sampled fails that request alone (issue 20, item 2)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from moecc.compiler import compile_model
+from moecc_runtime.job.exec import run_job
+from moecc_runtime.plan import save_plan
+from moecc_runtime.sampling import SamplingError, choose, next_token, request_generator
+
+
+@dataclass
+class P:
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def test_tiny_temperature_samples_the_argmax():
+    logits = torch.randn(50) * 30
+    for t in (1e-40, 1e-300, 5e-324):
+        assert next_token(logits, t, 1.0, 0, request_generator(1, "a")) == int(logits.argmax())
+        assert next_token(logits, t, 0.5, 5, request_generator(1, "a")) == int(logits.argmax())
+
+
+def test_huge_logits_and_temperatures_sample():
+    logits = torch.tensor([3e38, -3e38, 1e38, 0.0])
+    for t in (1e-30, 1.0, 1e30):
+        tok = next_token(logits, t, 0.9, 0, request_generator(3, "b"))
+        assert 0 <= tok < 4
+
+
+def test_a_non_finite_row_fails_alone():
+    logits = torch.randn(3, 10)
+    logits[1, 4] = float("nan")
+    out = choose(logits, [P(0.0), P(0.7), P(0.7)], [None, request_generator(1, "x"), request_generator(2, "y")])
+    assert isinstance(out[1], SamplingError) and isinstance(out[0], int) and isinstance(out[2], int)
+
+
+def test_a_job_with_a_tiny_temperature_finishes(checkpoints, tmp_path):
+    plan, _ = compile_model(checkpoints("mixtral"), prompt_tokens=8, output_tokens=4, max_batch=4)
+    save_plan(plan, tmp_path / "plan.pt")
+    lines = [{"custom_id": "tiny", "prompt": "The kettle", "max_tokens": 4, "temperature": 1e-40, "seed": 3},
+             {"custom_id": "greedy", "prompt": "The kettle", "max_tokens": 4}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = run_job(tmp_path / "plan.pt", tmp_path / "in.jsonl", tmp_path / "out.jsonl", log=None)
+    assert (summary.succeeded, summary.failed) == (2, 0)
+    got = {r["custom_id"]: r["token_ids"] for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert got["tiny"] == got["greedy"]
