@@ -41,3 +41,12 @@ def test_prompts_file_as_output_is_refused(job, tmp_path):
     assert proc.returncode == 1 and "the prompts file and the errors file are the same file" in err
     assert copy.read_bytes() == before and not errors.exists()
     assert read_jsonl(copy)[0]["custom_id"] == json.loads(before.splitlines()[0])["custom_id"]
+
+
+def test_missing_prompts_file_creates_no_output(job, tmp_path):
+    _, plan, _, _ = job
+    out = tmp_path / "out.jsonl"
+    proc = cli("exec", plan, tmp_path / "nope.jsonl", "-o", out, "--quiet")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "nope.jsonl" in err
+    assert not out.exists() and not (tmp_path / "out.errors.jsonl").exists()

@@ -133,6 +133,8 @@ def run_job(
                         f"(staging for B + prefill rows); recompile with `moecc compile ... --max-batch {max_batch}`")
     if resume and not isinstance(output, (str, Path)):
         raise ValueError("resume needs the output file's path (results are appended to it)")
+    with open(prompts_path, "rb"):
+        pass  # a missing or unreadable prompts file fails here, before any output file is created
     if isinstance(output, (str, Path)):
         check_distinct(Path(prompts_path), Path(output), Path(errors_path) if errors_path else None)
         out_file = open_locked(Path(output), resume)  # before the resume scan: this run owns the files now
