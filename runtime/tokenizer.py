@@ -17,6 +17,7 @@ class Tokenizer:
             self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         except Exception as e:
             raise RuntimeError(f"{model_dir}: cannot load the tokenizer: {e}") from e
+        self._max_token_chars: int | None = None
 
     def encode_prompt(self, prompt: str) -> list[int]:
         # verbose=False: no "longer than the maximum sequence length" warning (the runtime
@@ -30,6 +31,26 @@ class Tokenizer:
         if hasattr(out, "keys") and "input_ids" in out:
             out = out["input_ids"]
         return [int(t) for t in out]
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token of this vocabulary can stand for."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.tok.get_vocab()), default=1) or 1
+        return self._max_token_chars
+
+    def min_tokens(self, req: Any) -> int:
+        """A lower bound on the tokens of a request's prompt, from its length alone: every token
+        covers at most `max_token_chars` characters of normalized text, and normalizing
+        (accents stripped, ...) is taken to at most halve the text (a token list counts as
+        it is)."""
+        if isinstance(req.prompt, tuple):
+            return len(req.prompt)
+        if req.prompt is not None:
+            chars = len(req.prompt)
+        else:
+            chars = sum(len(m.get("content") or "") if isinstance(m, dict) else 0 for m in req.messages)
+        return chars // (2 * self.max_token_chars)
 
     def encode_request(self, req: Any) -> list[int]:
         """A request's prompt ids: its token list as given, its text encoded, or its messages

@@ -52,3 +52,26 @@ def test_a_job_with_a_tiny_temperature_finishes(checkpoints, tmp_path):
     assert (summary.succeeded, summary.failed) == (2, 0)
     got = {r["custom_id"]: r["token_ids"] for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert got["tiny"] == got["greedy"]
+
+
+def test_a_huge_line_fails_fast_and_small_before_tokenizing(checkpoints, tmp_path):
+    """A 20 MB prompt fails alone from its length (issue 20, item 10): the tokenizer never
+    sees it, and the other request runs."""
+    import resource
+    import time
+
+    plan, _ = compile_model(checkpoints("mixtral"), prompt_tokens=8, output_tokens=4, max_batch=4)
+    save_plan(plan, tmp_path / "plan.pt")
+    lines = [{"custom_id": "huge", "prompt": "kettle " * 3_000_000, "max_tokens": 4},
+             {"custom_id": "ok", "prompt": "The kettle", "max_tokens": 4}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    summary = run_job(tmp_path / "plan.pt", tmp_path / "in.jsonl", tmp_path / "out.jsonl", log=None)
+    assert time.perf_counter() - t0 < 30
+    assert (summary.succeeded, summary.failed) == (1, 1)
+    err = summary.errors[0]
+    assert err["custom_id"] == "huge" and "judged from its length" in err["error"]["message"]
+    assert err["error"]["line"] == 1 and err["error"]["field"] == "prompt"
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    assert grown_mib < 1024, f"peak RSS grew by {grown_mib:.0f} MiB"

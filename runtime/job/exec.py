@@ -324,6 +324,10 @@ def _run_ray(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer:
 
 
 def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab: int) -> GenRequest:
+    least = tok.min_tokens(req)  # checked before tokenizing: a huge line fails fast and small
+    if least >= context:
+        raise ValueError(f"prompt is at least {least} tokens (judged from its length, before tokenizing), "
+                         f"the model's context is {context}; shorten it to at most {context - 1} tokens")
     ids = tok.encode_request(req)
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
