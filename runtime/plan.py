@@ -12,11 +12,8 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.memory.safetensors_header import DTYPES, HeaderError, TensorLocation, read_header, slice_of
+from moecc_runtime.memory.safetensors_header import ITEMSIZE, Header, HeaderError, TensorLocation, read_header, slice_of
 from moecc_runtime.plan_schema import SCHEMA, SCHEMA_VERSION, SchemaError, validate
-
-
-DTYPES_BY_NAME: dict[str, int] = dict(DTYPES.values())  # dtype name -> bytes per element
 
 
 class PlanError(Exception):
@@ -57,21 +54,27 @@ def load_plan(path: str | Path) -> dict[str, Any]:
     return plan
 
 
-def fingerprint(model_dir: str | Path, weight_files: list[str]) -> dict[str, Any]:
+def fingerprint(model_dir: str | Path, weight_files: list[str],
+                headers: dict[str, Header] | None = None) -> dict[str, Any]:
     """config.json's hash, and the size and header hash (the tensor layout) of each weight
-    file: what compile records and exec checks."""
+    file: what compile records and exec checks. `headers`: the files' headers when already
+    read (otherwise read here)."""
     d = Path(model_dir)
+    files = sorted(weight_files)
+    if headers is None:
+        headers = {f: read_header(d / f) for f in files}
     return {
         "config_sha256": hashlib.sha256((d / "config.json").read_bytes()).hexdigest(),
-        "weight_files": {f: (d / f).stat().st_size for f in sorted(weight_files)},
-        "weight_headers": {f: read_header(d / f).sha256 for f in sorted(weight_files)},
+        "weight_files": {f: (d / f).stat().st_size for f in files},
+        "weight_headers": {f: headers[f].sha256 for f in files},
     }
 
 
 def check_checkpoint(plan: dict[str, Any], model_dir: str | Path | None = None) -> Path:
     """Refuse a plan whose checkpoint is gone, changed (config, file sizes, tensor layout), or
     lacks weights, or whose manifest names a file outside the checkpoint directory or bytes
-    that are not the tensor slice it says; return the checkpoint directory."""
+    that are not the tensor slice it says; return the checkpoint directory. Reads headers
+    only, each once."""
     d = Path(model_dir or plan["model"]["dir"])
     want = plan["model"]["fingerprint"]
     if not (d / "config.json").is_file():
@@ -82,25 +85,28 @@ def check_checkpoint(plan: dict[str, Any], model_dir: str | Path | None = None) 
             f"the plan was compiled from {d} without weight files (a config-only plan, for "
             f"inspection); compile it from a directory that holds the *.safetensors to run it"
         )
-    for f in want["weight_files"]:
+    files = sorted(want["weight_files"])
+    for f in files:
         _plain_name(f, "model.fingerprint.weight_files")
-    missing = [f for f in want["weight_files"] if not (d / f).is_file()]
+    missing = [f for f in files if not (d / f).is_file()]
     if missing:
         raise PlanError(f"{d}: weight files {missing} named in the plan are missing")
-    have = {"config_sha256": hashlib.sha256((d / "config.json").read_bytes()).hexdigest(),
-            "weight_files": {f: (d / f).stat().st_size for f in sorted(want["weight_files"])}}
-    for what, key in (("config.json", "config_sha256"), ("weight file sizes", "weight_files"),
-                      ("the tensor layout (a safetensors header)", "weight_headers")):
-        if key == "weight_headers":  # read only once config and sizes agree
-            try:
-                have[key] = fingerprint(d, list(want["weight_files"]))[key]
-            except HeaderError as e:
-                raise PlanError(f"{e}; the checkpoint is damaged or changed since compile") from None
-        if have[key] != want[key]:
-            raise PlanError(f"plan was made for another checkpoint: {what} of {d} differ from what the plan "
-                            f"recorded; recompile with `moecc compile {d}`")
-    _check_manifest(plan, {f: read_header(d / f).tensors for f in want["weight_files"]})
+    _agree(d, "config.json", want["config_sha256"], hashlib.sha256((d / "config.json").read_bytes()).hexdigest())
+    _agree(d, "weight file sizes", want["weight_files"], {f: (d / f).stat().st_size for f in files})
+    try:  # read only once config and sizes agree (a grown file fails as "sizes", not as a bad header)
+        headers = {f: read_header(d / f) for f in files}
+    except HeaderError as e:
+        raise PlanError(f"{e}; the checkpoint is damaged or changed since compile") from None
+    _agree(d, "the tensor layout (a safetensors header)", want["weight_headers"],
+           {f: h.sha256 for f, h in headers.items()})
+    _check_manifest(plan, {f: h.tensors for f, h in headers.items()})
     return d
+
+
+def _agree(d: Path, what: str, want: Any, have: Any) -> None:
+    if have != want:
+        raise PlanError(f"plan was made for another checkpoint: {what} of {d} differ from what the plan "
+                        f"recorded; recompile with `moecc compile {d}`")
 
 
 def _plain_name(name: Any, where: str) -> None:
@@ -123,7 +129,7 @@ def _check_manifest(plan: dict[str, Any], headers: dict[str, dict[str, TensorLoc
             raise PlanError(f"{where}: tensor {e['tensor']} ({e['dtype']}) is {found} in {e['file']}; "
                             f"recompile the plan for this checkpoint")
         try:
-            offset, shape = slice_of(loc, e["index"], e["rows"], DTYPES_BY_NAME[loc.dtype])
+            offset, shape = slice_of(loc, e["index"], e["rows"], ITEMSIZE[loc.dtype])
         except HeaderError as err:
             raise PlanError(f"{where}: {err}; recompile the plan for this checkpoint") from None
         if (offset, list(shape)) != (e["offset"], list(e["shape"])):

@@ -1,7 +1,7 @@
 """The plan's schema: what `moecc compile` writes and `moecc exec` reads, in one typed place.
 
-The plan is plain data (dicts, lists, strings, numbers, one tensor), so `torch.load(...,
-weights_only=True)` reads it and nothing in it can run code. Its shape is declared here as
+The plan is plain data (dicts, lists, strings, numbers, one tensor), so the runtime reads it
+with torch's weights-only loader (runtime/plan.py) and nothing in it can run code. Its shape is declared here as
 TypedDicts, and `validate()` checks a loaded plan against them field by field: a missing,
 unknown or mistyped field is refused with its path (`plan.batch.kv.block_size: missing`).
 

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moecc_runtime.memory.safetensors_header import HeaderError, TensorLocation, read_header
+from moecc_runtime.memory.safetensors_header import Header, HeaderError, TensorLocation, read_header
 
 from moecc.errors import CheckpointError
 
@@ -20,6 +20,7 @@ class Checkpoint:
     config: dict
     tensors: dict[str, TensorLocation] = field(default_factory=dict)
     files: dict[str, int] = field(default_factory=dict)  # weight file -> size in bytes
+    headers: dict[str, Header] = field(default_factory=dict)  # weight file -> its validated header
 
     @property
     def has_weights(self) -> bool:
@@ -30,14 +31,14 @@ class Checkpoint:
         runtime's own function, so both sides agree by construction)."""
         from moecc_runtime.plan import fingerprint
 
-        return fingerprint(self.directory, list(self.files))
+        return fingerprint(self.directory, list(self.files), self.headers)
 
 
-def read_safetensors_header(path: Path) -> dict[str, TensorLocation]:
-    """One safetensors file's tensors (absolute offsets), its header validated as the
+def read_safetensors_header(path: Path) -> Header:
+    """One safetensors file's header (tensors at absolute offsets), validated as the
     safetensors library validates it (the runtime's reader: exec checks plans against it)."""
     try:
-        return read_header(path).tensors
+        return read_header(path)
     except HeaderError as e:
         raise CheckpointError(str(e)) from None
 
@@ -79,8 +80,8 @@ def read_checkpoint(directory: str | Path) -> Checkpoint:
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the shard index but missing")
         ckpt.files[fname] = path.stat().st_size
-        for name, loc in read_safetensors_header(path).items():
-            ckpt.tensors[name] = loc
+        ckpt.headers[fname] = read_safetensors_header(path)
+        ckpt.tensors.update(ckpt.headers[fname].tensors)
     if not files and any(d.glob("*.bin")):
         raise CheckpointError(
             f"{d}: only PyTorch .bin weights found; moecc reads safetensors only (a .bin file "

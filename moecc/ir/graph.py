@@ -15,8 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from moecc_runtime.memory.safetensors_header import DTYPES as SAFETENSORS_DTYPES
-from moecc_runtime.plan_schema import TRANSFER_OPS as SCHEMA_TRANSFER_OPS
+from moecc_runtime.memory.safetensors_header import ITEMSIZE
+from moecc_runtime.plan_schema import TRANSFER_OPS  # re-exported: the plan schema's transfer ops
 from moecc_runtime.plan_schema import kv_geometry
 
 # op -> what it computes (the runtime implements every compute op here)
@@ -43,7 +43,6 @@ OPS: dict[str, str] = {
     "kv_store": "device->host copy of the new K/V of a micro-batch",
 }
 
-TRANSFER_OPS = SCHEMA_TRANSFER_OPS  # the plan schema's (moecc_runtime/plan_schema.py)
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class WeightRef:
 
 
 #: bytes per element of every dtype a checkpoint may hold (the runtime's header reader's table)
-DTYPE_BYTES: dict[str, int] = dict(SAFETENSORS_DTYPES.values())
+DTYPE_BYTES: dict[str, int] = ITEMSIZE
 
 
 @dataclass

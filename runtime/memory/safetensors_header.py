@@ -27,6 +27,8 @@ DTYPES: dict[str, tuple[str, int]] = {
     "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
     "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
 }
+#: moecc's dtype name -> bytes per element
+ITEMSIZE: dict[str, int] = dict(DTYPES.values())
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 
 
