@@ -24,7 +24,11 @@ def compile_cmd(
     output: Path = typer.Option(Path("plan.pt"), "-o", "--output", help="Where to write the plan."),
     gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Device memory budget, e.g. 24GB, 24GiB. "
                                           "Unset: unbounded (weights stay where they are on CPU)."),
-    host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory budget, e.g. 256GB. Unset: unbounded."),
+    host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory budget, e.g. 256GB. Unset: "
+                                           "unbounded; the KV pool is sized by this machine's available memory."),
+    host_reserve: Optional[str] = typer.Option(None, "--host-reserve", help="Host memory kept out of --host-mem "
+                                               "for what the plan does not size (the process, page tables, the "
+                                               "request table). Unset: modelled (`moecc explain` shows it)."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Typical prompt length, for sizing the batch."),
     output_tokens: int = typer.Option(256, "--output-tokens", help="Typical output length, for sizing the batch."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Take the workload shape (mean prompt "
@@ -48,6 +52,7 @@ def compile_cmd(
     try:
         gpu = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
         host = parse_size(host_mem, what="--host-mem") if host_mem is not None else None
+        reserve = parse_size(host_reserve, what="--host-reserve", allow_zero=True) if host_reserve is not None else None
     except SizeError as e:
         _fail(str(e))
     from moecc.compiler import compile_model
@@ -62,7 +67,8 @@ def compile_cmd(
                    f"on average", err=True)
 
     try:
-        plan, graph = compile_model(model_dir, gpu_mem=gpu, host_mem=host, prompt_tokens=prompt_tokens,
+        plan, graph = compile_model(model_dir, gpu_mem=gpu, host_mem=host, host_reserve=reserve,
+                                    prompt_tokens=prompt_tokens,
                                     output_tokens=output_tokens, max_batch=max_batch, hardware=hardware,
                                     dump_dir=dump_dir,
                                     dump_formats=tuple(f.strip() for f in dump_format.split(",") if f.strip()),

@@ -20,6 +20,7 @@ def compile_model(
     *,
     gpu_mem: int | None = None,
     host_mem: int | None = None,
+    host_reserve: int | None = None,
     prompt_tokens: int = 512,
     output_tokens: int = 256,
     max_batch: int = 1024,
@@ -33,7 +34,7 @@ def compile_model(
 
     verify=None reads MOECC_VERIFY (the test suite sets it to 1, so every compile in tests
     checks the graph after every pass)."""
-    options = CompileOptions(gpu_mem=gpu_mem, host_mem=host_mem, prompt_tokens=prompt_tokens,
+    options = CompileOptions(gpu_mem=gpu_mem, host_mem=host_mem, host_reserve=host_reserve, prompt_tokens=prompt_tokens,
                              output_tokens=output_tokens, max_batch=max_batch,
                              hardware=None if hardware is None else str(hardware))
     final = compile_graph(model_dir, options, instruments=instruments_for(dump_dir, dump_formats, print_after),

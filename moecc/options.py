@@ -15,7 +15,10 @@ class CompileOptions:
 
     gpu_mem        device memory budget in bytes; None: no device arena (weights and KV
                    are read where they are; the planner bounds nothing on the device)
-    host_mem       host memory budget in bytes; None: unbounded
+    host_mem       host memory budget in bytes; None: unbounded (the KV pool is then sized by
+                   this machine's available memory)
+    host_reserve   host bytes kept out of host_mem for what the plan does not size; None: the
+                   modelled reserve (moecc/planner/host_memory.py)
     prompt_tokens  the typical prompt length the batch is sized for (a mean)
     output_tokens  the typical output length (a mean; clipped to the model's context)
     max_batch      upper bound on sequences in flight (B)
@@ -27,6 +30,7 @@ class CompileOptions:
 
     gpu_mem: int | None = None
     host_mem: int | None = None
+    host_reserve: int | None = None
     prompt_tokens: float = 512
     output_tokens: float = 256
     max_batch: int = 1024

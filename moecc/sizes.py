@@ -24,8 +24,9 @@ class SizeError(ValueError):
     """An unparseable size string."""
 
 
-def parse_size(text: str, *, what: str = "size") -> int:
-    """Parse `text` into a number of bytes; raise SizeError naming `what` otherwise."""
+def parse_size(text: str, *, what: str = "size", allow_zero: bool = False) -> int:
+    """Parse `text` into a number of bytes (0 only with `allow_zero`); raise SizeError naming
+    `what` otherwise."""
     m = _SIZE_RE.match(text) if isinstance(text, str) else None
     if m is None:
         raise SizeError(
@@ -39,7 +40,7 @@ def parse_size(text: str, *, what: str = "size") -> int:
             f"(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
         )
     value = round(Fraction(number) * _UNITS[unit])  # exact, also above 2**53
-    if value < 1:
+    if value < (0 if allow_zero else 1):
         raise SizeError(f"{what}: {text!r} must be a positive size of at least one byte")
     return int(value)
 

@@ -190,7 +190,7 @@ class Plan(TypedDict):
     version: int
     model: ModelSection
     batch: Batch
-    memory: dict[str, dict[str, int | None]]
+    memory: dict[str, dict[str, Any]]  # device, host: bytes; host_model: the reserve and why the KV pool is its size
     arena: Arena | None  # None: weights read in place (no device budget)
     weights: dict[str, WeightEntry]
     rope: Rope

@@ -12,7 +12,8 @@ Does: reads the hardware profile (`ctx.options.hardware`: a preset name, a profi
   does not.
 Guarantees: batch_sizes (graph.attrs["batch"], ["arena"], ["memory"], ["solution"], ["predicted"],
   ["timeline"]: the predicted decode and prefill step DAGs as plain data);
-  every plan fits --gpu-mem at a 0.9 derate and --host-mem at a 0.8 derate.
+  every plan fits --gpu-mem at a 0.9 derate, and --host-mem with the host reserve
+  (moecc/planner/host_memory.py) kept out of it; the KV pool gets the host bytes left.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from moecc.options import CompileOptions
 from moecc.planner import solve as S
 from moecc.planner.cost_model import Choice, Prediction
 from moecc.planner.costs import ModelCost, model_cost
+from moecc.planner.host_memory import available_host_bytes, host_bytes, kv_pool_blocks, minimum_host_bytes
 from moecc.sizes import format_bytes, format_size_at_least
 
 
@@ -43,12 +45,14 @@ class SolveBatchSizes(Pass):
             raise BudgetError(f"no batch size fits the budgets (--gpu-mem {_fmt(pr.gpu_mem)}, --host-mem "
                               f"{_fmt(pr.host_mem)}); raise one of them or lower --prompt-tokens/--output-tokens")
         pred = pr.cost_model().predict(pr.workload, sol.choice)
-        g.attrs["batch"] = _batch(pr, sol.choice)
+        g.attrs["batch"], kv_why = _batch(pr, sol.choice)
         g.attrs["arena"] = _arena(pr, sol)
         g.attrs["memory"] = {
             "device": {"budget": None if pr.gpu_mem is None else int(pr.gpu_mem * S.DEVICE_DERATE),
                        **sol.device_bytes},
-            "host": {"budget": None if pr.host_mem is None else int(pr.host_mem * S.HOST_DERATE), **sol.host_bytes},
+            "host": {"budget": pr.host_mem, **sol.host_bytes, "reserve": pr.reserve.total,
+                     "kv_pool": g.attrs["batch"]["kv"]["num_blocks"] * g.attrs["batch"]["kv"]["bytes_per_block"]},
+            "host_model": {"budget": _host_source(pr), "reserve": pr.reserve.parts(), "kv_pool": kv_why},
         }
         g.attrs["predicted"] = _predicted(pr, pred)
         g.attrs["timeline"] = pred.timeline()  # the two DAGs as plain data: what `moecc explain --timeline` draws
@@ -65,23 +69,37 @@ def _problem(g: Graph, o: CompileOptions) -> S.Problem:
     max_ctx = g.info.max_position_embeddings
     if prompt + output > max_ctx:
         output = max(1.0, max_ctx - prompt)
+    available = available_host_bytes() if o.host_mem is None else None
     return S.Problem(model_cost(g), resolve_hardware(o.hardware), prompt, output, gpu_mem=o.gpu_mem,
-                     host_mem=o.host_mem, max_batch=int(o.max_batch))
+                     host_mem=o.host_mem, max_batch=int(o.max_batch), host_reserve_given=o.host_reserve,
+                     host_available=available)
 
 
-def _batch(pr: S.Problem, ch: Choice) -> dict[str, Any]:
+def _host_source(pr: S.Problem) -> str:
+    """Where the host budget came from, for explain."""
+    if pr.host_mem is not None:
+        return "--host-mem"
+    if pr.host_available is not None:
+        return (f"--host-mem unset: nothing refused; the KV pool sized by this machine's "
+                f"{format_bytes(pr.host_available)} available at compile")
+    return "--host-mem unset and this machine's memory unknown: nothing refused"
+
+
+def _batch(pr: S.Problem, ch: Choice) -> tuple[dict[str, Any], str]:
+    """The plan's batch section, and why its KV pool has the blocks it has."""
     tps, pa, pe = ch.prefill
     cost = pr.cost
+    blocks, why = kv_pool_blocks(cost, pr.seq_len, ch.B, tps, pr.host_mem, pr.reserve, pr.host_available)
     return {
         "prefill": {"B": ch.B, "b_a": pa, "b_e": pe, "tokens_per_step": tps},
         "decode": {"B": ch.B, "b_a": ch.b_a, "b_e": ch.b_e},
-        "kv": {"block_size": S.KV_BLOCK, "num_blocks": _kv_blocks(pr, cost, ch.B),
+        "kv": {"block_size": S.KV_BLOCK, "num_blocks": blocks,
                "bytes_per_block": cost.kv_bytes_per_token * S.KV_BLOCK},
         "overlap": {"expert_slots": ch.prefetch + 1, "prefetch": ch.prefetch,
                     "resident": sorted(ch.resident) if pr.copies else ["all"]},
         "workload": {"prompt_tokens": pr.prompt_tokens, "output_tokens": pr.output_tokens, "seq_len": pr.seq_len},
         "rule": "solve_batch_sizes (CP-SAT, see moecc/planner/solve.py)",
-    }
+    }, why
 
 
 def _arena(pr: S.Problem, sol: S.Solution) -> dict[str, Any] | None:
@@ -93,9 +111,9 @@ def _arena(pr: S.Problem, sol: S.Solution) -> dict[str, Any] | None:
     return {
         "bytes": sol.device_bytes["arena"],
         "resident": sorted(ch.resident),
-        "dense_slot_bytes": cost.max_dense_module_bytes + S.DENSE_SLOT_PAD,
+        "dense_slot_bytes": cost.dense_slot_bytes,
         "expert_slots": ch.prefetch + 1,
-        "expert_slot_bytes": cost.max_expert_bytes + S.EXPERT_SLOT_PAD,
+        "expert_slot_bytes": cost.expert_slot_bytes,
         "kv_buffer_tokens": pr.kv_buffer_tokens(max(ch.b_a, ch.prefill[1])),
         "stage_bytes": sol.device_bytes["staging"],
     }
@@ -129,15 +147,6 @@ def _solution(sol: S.Solution) -> dict[str, Any]:
     }
 
 
-def _kv_blocks(pr: S.Problem, cost: ModelCost, B: int) -> int:
-    block = cost.kv_bytes_per_token * S.KV_BLOCK
-    per_seq = -(-pr.seq_len // S.KV_BLOCK) + 1
-    if pr.host_mem is None:
-        return B * per_seq
-    free = int(pr.host_mem * S.HOST_DERATE) - cost.weight_bytes - max(B, 4096) * cost.buffer_bytes_per_token
-    return max(B * per_seq, free // block)
-
-
 def _fmt(x: int | None) -> str:
     return "unbounded" if x is None else format_bytes(x)
 
@@ -157,11 +166,19 @@ def _check_minimum(pr: S.Problem) -> None:
                 f"{S.DEVICE_DERATE:.0%} derate; use --gpu-mem {format_size_at_least(minimum / S.DEVICE_DERATE)} "
                 f"or more")
     if pr.host_mem is not None:
-        kv_seq = (-(-pr.seq_len // S.KV_BLOCK) + 1) * S.KV_BLOCK * c.kv_bytes_per_token
-        need = c.weight_bytes + kv_seq + c.buffer_bytes_per_token
-        if pr.host_mem * S.HOST_DERATE < need:
+        tps = min(S.tps_offered(pr, 1))
+        need = minimum_host_bytes(c, pr.seq_len, tps, pr.reserve)
+        if pr.host_mem < need:
+            sized = host_bytes(c, pr.seq_len, 1, tps)
             raise BudgetError(
-                f"--host-mem {format_bytes(pr.host_mem)} cannot hold the model ({format_bytes(c.weight_bytes)}) "
-                f"plus one sequence's KV cache ({format_bytes(kv_seq)}) at a {S.HOST_DERATE:.0%} derate; use "
-                f"--host-mem {format_size_at_least(need / S.HOST_DERATE)} or more")
+                f"--host-mem {format_bytes(pr.host_mem)} cannot hold the model ({format_bytes(c.weight_bytes)}), "
+                f"one sequence's KV cache ({format_bytes(sized['kv_cache'])}), the host buffers of a "
+                f"{tps}-token prefill step ({format_bytes(sized['buffers'])}) and the host reserve "
+                f"({format_bytes(pr.reserve.total)}: {_parts(pr.reserve.parts())}); use --host-mem "
+                f"{format_size_at_least(need)} or more" + ("" if pr.host_reserve_given is not None else
+                                                          ", or a smaller --host-reserve"))
+
+
+def _parts(parts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
 

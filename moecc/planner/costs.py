@@ -10,6 +10,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moecc.ir import DTYPE_BYTES, Graph
+from moecc_runtime.plan_schema import ALIGN
+
+
+def slot_bytes(node, itemsize: int) -> int:
+    """Arena bytes `node`'s weights take when the runtime copies them into a slot: each
+    tensor at ALIGN, in the wider of its file dtype and the compute dtype (a tensor stored
+    in another dtype is cast to the compute dtype when viewed), as runtime/memory/streaming.py
+    places them."""
+    total = 0
+    for w in node.weights.values():
+        numel = w.nbytes // DTYPE_BYTES[w.dtype]
+        total += -(-numel * max(DTYPE_BYTES[w.dtype], itemsize) // ALIGN) * ALIGN
+    return total
+
+
+def _expert_slot_bytes(node, itemsize: int) -> int:
+    """One expert's slot: the largest expert's weights (gate, up, down, biases) as placed."""
+    per: dict[int, int] = {}
+    for local, w in node.weights.items():
+        e = int(local.split(".")[0][1:])
+        numel = w.nbytes // DTYPE_BYTES[w.dtype]
+        per[e] = per.get(e, 0) + -(-numel * max(DTYPE_BYTES[w.dtype], itemsize) // ALIGN) * ALIGN
+    return max(per.values(), default=0)
 
 
 @dataclass
@@ -30,6 +53,9 @@ class LayerCost:
     dense_flops: int = 0  # per token
     attn_elem_bytes: int = 0  # per token: activation bytes the attention module's non-GEMM ops touch
     ffn_elem_bytes: int = 0  # per token: the same for the MoE / MLP module
+    attn_slot_bytes: int = 0  # the attention module's weights as a slot holds them (see slot_bytes)
+    ffn_slot_bytes: int = 0  # the MoE / MLP module's weights but its experts, as a slot holds them
+    expert_slot_bytes: int = 0  # one expert's weights as an expert slot holds them
 
     @property
     def moe(self) -> bool:
@@ -52,6 +78,7 @@ class ModelCost:
     weight_bytes: int
     head_dim: int = 0
     max_context: int = 0  # the model's context (a device KV buffer holds one such sequence)
+    head_slot_bytes: int = 0  # the head module's weights as a slot holds them
     extra: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -62,6 +89,17 @@ class ModelCost:
     def max_dense_module_bytes(self) -> int:
         return max([lc.attn_bytes for lc in self.layers] + [lc.dense_bytes + lc.router_bytes for lc in self.layers]
                    + [self.head_bytes], default=0)
+
+    @property
+    def dense_slot_bytes(self) -> int:
+        """One dense slot: the largest streamed module's weights as the runtime places them."""
+        return max([lc.attn_slot_bytes for lc in self.layers] + [lc.ffn_slot_bytes for lc in self.layers]
+                   + [self.head_slot_bytes], default=0)
+
+    @property
+    def expert_slot_bytes(self) -> int:
+        """One expert slot: the largest expert as the runtime places it."""
+        return max((lc.expert_slot_bytes for lc in self.layers), default=0)
 
 
 #: Passes over a row that each non-GEMM op makes, in elements of the row's width (reads
@@ -102,7 +140,7 @@ def model_cost(graph: Graph) -> ModelCost:
     info = graph.info
     itemsize, H = DTYPE_BYTES[info.dtype], info.hidden_size
     layers = {i: LayerCost(i) for i in range(info.num_layers)}
-    stem = head = head_flops = head_elem = 0
+    stem = head = head_flops = head_elem = head_slot = 0
     inter = 0
     buffers = 0
     for n in graph.nodes:
@@ -113,6 +151,7 @@ def model_cost(graph: Graph) -> ModelCost:
             continue
         if n.module == "head":
             head += n.weight_bytes
+            head_slot += slot_bytes(n, itemsize)
             head_flops += n.flops_per_token
             head_elem += elementwise_bytes(n, itemsize, H)
             continue
@@ -121,8 +160,13 @@ def model_cost(graph: Graph) -> ModelCost:
         lc = layers[n.layer]
         if n.module is not None and n.module.endswith(".attn"):
             lc.attn_elem_bytes += elementwise_bytes(n, itemsize, H)
+            lc.attn_slot_bytes += slot_bytes(n, itemsize)
         else:
             lc.ffn_elem_bytes += elementwise_bytes(n, itemsize, H)
+            if n.op == "experts":
+                lc.expert_slot_bytes = _expert_slot_bytes(n, itemsize)
+            else:
+                lc.ffn_slot_bytes += slot_bytes(n, itemsize)
         if n.op == "host_buffer":
             continue
         if n.op == "kv_load":
@@ -159,4 +203,5 @@ def model_cost(graph: Graph) -> ModelCost:
         kv_bytes_per_token=info.kv_bytes_per_token,
         act_bytes_per_token=(2 * H + 3 * inter) * 4, buffer_bytes_per_token=buffers,
         weight_bytes=graph.weight_bytes, head_dim=info.head_dim, max_context=info.max_position_embeddings,
+        head_slot_bytes=head_slot,
     )

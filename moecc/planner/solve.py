@@ -46,14 +46,12 @@ from moecc_runtime.plan_schema import ALIGN, KV_BLOCK_SIZE, expert_group, reside
 
 from moecc.planner.cost_model import Choice, CostModel, Workload
 from moecc.planner.costs import ModelCost
+from moecc.planner.host_memory import HostReserve, fits, host_bytes, host_reserve
 from moecc.planner.schedule import Rates, experts_in_use
 
 DEVICE_DERATE = 0.9
-HOST_DERATE = 0.8
 KV_BLOCK = KV_BLOCK_SIZE
 NO_OVERLAP = 0.1  # a profile whose copies hide less than this behind compute gets no prefetch
-DENSE_SLOT_PAD = 16 * ALIGN  # room for the alignment of up to 16 tensors in one module's slot
-EXPERT_SLOT_PAD = 6 * ALIGN  # gate, up, down (+ biases)
 CPU_FRESH_MAP_BYTES = 32 * 2**20
 US = 1e6  # time unit of the program: microseconds
 STEAL_SCALE = 1000  # (1 - copy_overlap) as an integer share in thousandths
@@ -69,6 +67,8 @@ class Problem:
     gpu_mem: int | None = None
     host_mem: int | None = None
     max_batch: int = 1024
+    host_reserve_given: int | None = None  # --host-reserve: replaces the modelled reserve
+    host_available: int | None = None  # this machine's available host memory (sizes the KV pool without --host-mem)
     b_e_options: tuple[int, ...] = (8, 32, 128, 256, 512, 1024, 2048, 4096)
     tps_options: tuple[int, ...] = (256, 1024, 2048, 4096, 8192)
     prefetch_options: tuple[int, ...] = (0, 1, 2, 3)
@@ -78,6 +78,15 @@ class Problem:
     @property
     def seq_len(self) -> int:
         return int(math.ceil(self.prompt_tokens + self.output_tokens))
+
+    @property
+    def reserve(self) -> HostReserve:
+        """Host bytes kept out of the budget (moecc/planner/host_memory.py)."""
+        return host_reserve(self.cost, self.host_reserve_given)
+
+    def host_fits(self, B: int, tps: int) -> bool:
+        """Whether batch B with `tps` prompt tokens per prefill step fits --host-mem."""
+        return fits(self.host_mem, self.reserve, host_bytes(self.cost, self.seq_len, B, tps))
 
     @property
     def workload(self) -> Workload:
@@ -97,12 +106,12 @@ class Problem:
         out: dict[str, int] = {}
         if not self.copies:
             return out
-        for lc in self.cost.layers:  # bytes plus the runtime's alignment of each tensor
-            out[str(residency_group("attn", lc.layer))] = lc.attn_bytes + DENSE_SLOT_PAD
+        for lc in self.cost.layers:  # as the runtime places them (costs.slot_bytes)
+            out[str(residency_group("attn", lc.layer))] = lc.attn_slot_bytes
             if lc.moe:
-                out[expert_group(lc.layer)] = (lc.expert_bytes + EXPERT_SLOT_PAD) * lc.num_experts
-            out[str(residency_group("moe", lc.layer))] = lc.dense_bytes + lc.router_bytes + DENSE_SLOT_PAD
-        out[str(residency_group("head", None))] = self.cost.head_bytes + DENSE_SLOT_PAD
+                out[expert_group(lc.layer)] = lc.expert_slot_bytes * lc.num_experts
+            out[str(residency_group("moe", lc.layer))] = lc.ffn_slot_bytes
+        out[str(residency_group("head", None))] = self.cost.head_slot_bytes
         return out
 
     def kv_buffer_tokens(self, b_a: int) -> int:
@@ -175,7 +184,7 @@ class _Tables:
     dev_kv_dec: dict[int, int]  # KV buffers for a decode b_a
     dev_kv_pre: dict[tuple[int, int, int], int]  # KV buffers for a prefill (tps, b_a, b_e)
     dev_stage: dict[tuple[int, int, int], int]  # staging for B + tps rows
-    host_bytes: dict[str, int]
+    host_bytes: dict[str, int]  # at the smallest prefill step offered (every offered one fits)
     steal: int  # (1 - copy_overlap) x STEAL_SCALE: compute time a copy-second costs
     w_dec: float  # decode steps per request
     w_pre: dict[tuple[int, int, int], float]  # prefill steps per request
@@ -194,13 +203,20 @@ def _tables(pr: Problem, B: int) -> _Tables:
                                times["pre_head"], {a: (mem["dev_kv_dec"][a], mem["dev_b_a"][a]) for a in b_a},
                                mem["dev_b_e"],
                                {k: (mem["dev_kv_pre"][k], mem["dev_pre"][k] + mem["dev_stage"][k]) for k in pre})
-    c = pr.cost
-    blocks = -(-pr.seq_len // KV_BLOCK)
-    host = {"weights": c.weight_bytes, "kv_cache": B * (blocks + 1) * KV_BLOCK * c.kv_bytes_per_token,
-            "buffers": max(B, max(pre_tps)) * c.buffer_bytes_per_token}
+    host = host_bytes(pr.cost, pr.seq_len, B, min(pre_tps))
     return _Tables(B=B, b_a=b_a, b_e=b_e, pre=pre, p=p, groups=pr.groups(), **times, **mem, host_bytes=host,
                    steal=int(round((1.0 - pr.rates.copy_overlap) * STEAL_SCALE)), w_dec=pr.output_tokens / B,
                    w_pre={k: pr.prompt_tokens / k[0] for k in pre})
+
+
+def tps_offered(pr: Problem, B: int) -> list[int]:
+    """Prompt tokens per prefill step offered at batch B (before the host budget)."""
+    pre_tps = sorted({min(t, max(1, int(B * pr.prompt_tokens))) for t in pr.tps_options})
+    if pr.rates.device_kind == "cpu":  # host tensors above glibc's 32 MiB mmap threshold are mapped
+        # fresh on every allocation (page faults on first touch: measured 25% slower steps)
+        fit = [t for t in pre_tps if t * pr.cost.hidden * 4 < CPU_FRESH_MAP_BYTES]
+        pre_tps = fit or pre_tps[:1]
+    return pre_tps
 
 
 def _options(pr: Problem, B: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -208,11 +224,8 @@ def _options(pr: Problem, B: int) -> tuple[list[int], list[int], list[int], list
     c, r = pr.cost, pr.rates
     b_a = sorted({max(1, B >> i) for i in range(pr.b_a_options_max)})
     b_e = [e for e in pr.b_e_options] or [4096]
-    pre_tps = sorted({min(t, max(1, int(B * pr.prompt_tokens))) for t in pr.tps_options})
-    if r.device_kind == "cpu":  # host tensors above glibc's 32 MiB mmap threshold are mapped
-        # fresh on every allocation (page faults on first touch: measured 25% slower steps)
-        fit = [t for t in pre_tps if t * c.hidden * 4 < CPU_FRESH_MAP_BYTES]
-        pre_tps = fit or pre_tps[:1]
+    pre_tps = tps_offered(pr, B)
+    pre_tps = [t for t in pre_tps if pr.host_fits(B, t)] or pre_tps[:1]  # host buffers grow with the step
     p = list(pr.prefetch_options) if pr.copies else [1]
     if pr.copies and r.copy_overlap < NO_OVERLAP:  # copies cannot hide behind compute (a CPU's copy
         # thread shares its cores and memory bus): a prefetch slot buys nothing, costs arena bytes,
@@ -269,12 +282,12 @@ def _memory(pr: Problem, B: int, b_a: list[int], b_e: list[int], pre: list[tuple
     """The device-memory fields of `_Tables` (bytes)."""
     c, it = pr.cost, pr.cost.itemsize
     return {
-        "dev_fixed": 2 * (c.max_dense_module_bytes + DENSE_SLOT_PAD) if pr.copies else 0,
+        "dev_fixed": 2 * c.dense_slot_bytes if pr.copies else 0,
         "dev_b_a": {a: a * c.hidden * 6 * it for a in b_a},
         "dev_b_e": {e: e * c.act_bytes_per_token for e in b_e},
         "dev_pre": {(t, a, e): min(t, a * max(1, int(pr.prompt_tokens))) * c.hidden * 6 * it + e * c.act_bytes_per_token
                     for t, a, e in pre},
-        "dev_p": {q: (q + 1) * (c.max_expert_bytes + EXPERT_SLOT_PAD) for q in p},
+        "dev_p": {q: (q + 1) * c.expert_slot_bytes for q in p},
         "dev_kv_dec": {a: pr.kv_buffer_bytes(a) for a in b_a},
         "dev_kv_pre": {k: pr.kv_buffer_bytes(k[1]) for k in pre},
         "dev_stage": {k: pr.stage_bytes(B, k[0]) for k in pre},
@@ -342,7 +355,7 @@ def solve_for_batch(pr: Problem, B: int, time_limit_s: float = 10.0, bound: floa
     seconds per request). The prompt tokens per prefill step are enumerated too (few
     values), so the objective stays linear."""
     tb = tb or _tables(pr, B)
-    if pr.host_mem is not None and sum(tb.host_bytes.values()) > pr.host_mem * HOST_DERATE:
+    if not fits(pr.host_mem, pr.reserve, tb.host_bytes):
         return None
     if not pr.copies:  # nothing couples the choices: the exact optimum by enumeration
         sol = _enumerate(pr, tb)
@@ -499,16 +512,17 @@ def _describe(pr: Problem, tb: _Tables, ch: Choice) -> Solution:
         slack = budget - max(dev["decode_total"], dev["prefill_total"])
         if slack < max(pr.cost.max_expert_bytes, 1):
             binding.append(f"device memory (slack {slack} B)")
+    host = host_bytes(pr.cost, pr.seq_len, tb.B, ch.prefill[0])
     if pr.host_mem is not None:
-        slack = int(pr.host_mem * HOST_DERATE) - sum(tb.host_bytes.values())
+        slack = pr.host_mem - pr.reserve.total - sum(host.values())
         binding.append(f"host memory (slack {slack} B)")
-    return Solution(ch, obj, td / US, tp / US, dev, dict(tb.host_bytes), binding, "", 0.0)
+    return Solution(ch, obj, td / US, tp / US, dev, host, binding, "", 0.0)
 
 
 def enumerate_best(pr: Problem, B: int) -> Solution | None:
     """Brute force over every choice of the same model (small instances only)."""
     tb = _tables(pr, B)
-    if pr.host_mem is not None and sum(tb.host_bytes.values()) > pr.host_mem * HOST_DERATE:
+    if not fits(pr.host_mem, pr.reserve, tb.host_bytes):
         return None
     return _enumerate(pr, tb)
 

@@ -32,6 +32,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
         "bottleneck": pred.get("bottleneck"),
         "device_bytes": {k: v for k, v in dev.items() if v is not None},
         "host_bytes": {k: v for k, v in host.items() if v is not None},
+        "host_model": mem.get("host_model"),
         "batch": {phase: {k: batch[phase][k] for k in ("B", "b_a", "b_e", "tokens_per_step") if k in batch[phase]}
                   for phase in ("prefill", "decode")},
         "overlap": batch.get("overlap"),
@@ -96,6 +97,7 @@ def format_explain(rep: dict[str, Any]) -> str:
         lines.append(f"  {side} memory:")
         for k, v in d.items():
             lines.append(f"    {k:18s} {format_bytes(int(v)):>12s}")
+    lines += _host_model_lines(rep.get("host_model"))
     eta = rep.get("eta")
     if eta:
         lines.append(f"  ETA for {eta['requests']} requests ({eta['prompt_tokens']} prompt tokens, up to "
@@ -103,6 +105,17 @@ def format_explain(rep: dict[str, Any]) -> str:
     if rep.get("measured"):
         lines.append(format_comparison(rep["measured"]))
     return "\n".join(lines)
+
+
+def _host_model_lines(hm: dict[str, Any] | None) -> list[str]:
+    """Where the host budget came from, the reserve kept out of it (by cause), and why the
+    KV pool has its size."""
+    if not hm:
+        return []
+    parts = ", ".join(f"{k} {format_bytes(int(v))}" for k, v in (hm.get("reserve") or {}).items())
+    return [f"    budget from: {hm.get('budget')}",
+            f"    reserve kept: {parts} (moecc compile --host-reserve replaces it)",
+            f"    KV pool: {hm.get('kv_pool')}"]
 
 
 def _hms(s: float) -> str:

@@ -40,7 +40,10 @@ class Region:
         for d in shape:
             numel *= int(d)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if offset % ALIGN or offset < 0 or offset + nbytes > self.nbytes:
+        if offset % ALIGN or offset < 0:
+            raise ArenaError(f"device arena: {what or 'tensor'} at offset {offset} of region {self.name!r} is not "
+                             f"{ALIGN}-byte aligned (plan and runtime disagree on slot sizes; recompile the plan)")
+        if offset + nbytes > self.nbytes:
             raise ArenaError(f"device arena: {what or 'tensor'} of {nbytes} B at offset {offset} does not fit "
                              f"region {self.name!r} of {self.nbytes} B; the plan's arena is too small for this "
                              f"model or step (recompile with `moecc compile`)")

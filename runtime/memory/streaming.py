@@ -42,6 +42,12 @@ def expert_keys(op: dict, e: int) -> list[str]:
     return [op["weights"][f"e{e}.{part}"] for part in kernels.expert_parts(op["attrs"])]
 
 
+def _placed(t: torch.Tensor) -> int:
+    """Arena bytes tensor `t` takes in a slot: its bytes at ALIGN (the planner's
+    moecc/planner/costs.slot_bytes counts the same)."""
+    return align(t.numel() * t.element_size())
+
+
 class InPlaceWeights:
     """No arena: read weights where they are."""
 
@@ -74,7 +80,8 @@ class _Slot:
 
 class _SlotPool:
     def __init__(self, region: Region, n: int, slot_bytes: int):
-        self.slots = [_Slot(i, region, i * slot_bytes, slot_bytes) for i in range(n)]
+        stride = align(slot_bytes)  # every slot starts aligned
+        self.slots = [_Slot(i, region, i * stride, slot_bytes) for i in range(n)]
         self._free = deque(self.slots)
 
     def acquire(self, unit: Any) -> tuple[_Slot, bool]:
@@ -153,11 +160,9 @@ class StreamedWeights:
                     self.resident_experts.add(op["name"])
                     res_keys += list(op["weights"].values())
         self._load_resident(res_keys)
-        self.dense = _SlotPool(arena.region("dense_slots", 2 * int(lay["dense_slot_bytes"])), 2,
-                               int(lay["dense_slot_bytes"]))
-        n = int(lay["expert_slots"])
-        self.expert_pool = _SlotPool(arena.region("expert_slots", n * int(lay["expert_slot_bytes"])), n,
-                                     int(lay["expert_slot_bytes"]))
+        dense, n, expert = int(lay["dense_slot_bytes"]), int(lay["expert_slots"]), int(lay["expert_slot_bytes"])
+        self.dense = _SlotPool(arena.region("dense_slots", 2 * align(dense)), 2, dense)
+        self.expert_pool = _SlotPool(arena.region("expert_slots", n * align(expert)), n, expert)
         self._pending: dict[int, tuple[_Slot, Ticket, dict[str, torch.Tensor]]] = {}
         self._holding: _Slot | None = None  # the running module's dense slot
         self.streamed = [i for i, u in enumerate(self.units) if u]
@@ -165,35 +170,30 @@ class StreamedWeights:
     # -- resident weights: copied in once -------------------------------------------------
     def _load_resident(self, keys: list[str]) -> None:
         keys = list(dict.fromkeys(keys))
-        total = sum(align(self._nbytes(k)) for k in keys)
+        srcs = [self.store.host(k) for k in keys]
+        total = sum(_placed(t) for t in srcs)
         region = self.arena.region("resident", total)
         off = 0
         pairs = []
-        for k in keys:
-            src = self.store.host(k)
+        for k, src in zip(keys, srcs):
             self.views[k] = region.view(off, src.shape, src.dtype, what=f"resident weight {k}")
             pairs.append((src, self.views[k]))
-            off += align(self._nbytes(k))
+            off += _placed(src)
         if pairs:
             self.engine.submit(f"{len(pairs)} resident weights", total,
                                lambda: self.copier.copy(pairs, None), kind="fetch").wait()
 
-    def _nbytes(self, key: str) -> int:
-        e = self.store.manifest.get(key)
-        if e is None:
-            raise WeightError(f"weight {key} is not in the plan's manifest (plan and runtime disagree)")
-        return int(e["nbytes"])
-
     def _place(self, slot: _Slot, keys: list[str], what: str) -> tuple[dict[str, torch.Tensor], list, int]:
         views, pairs, off = {}, [], 0
-        for k in keys:
-            src = self.store.host(k)
-            if off + align(self._nbytes(k)) > slot.nbytes:
-                raise ArenaError(f"device arena: {what} ({sum(align(self._nbytes(x)) for x in keys)} B) does "
-                                 f"not fit a {slot.nbytes} B slot; recompile the plan")
+        srcs = [self.store.host(k) for k in keys]
+        need = sum(_placed(t) for t in srcs)
+        if need > slot.nbytes:
+            raise ArenaError(f"device arena: {what} ({need} B as placed) does not fit a {slot.nbytes} B slot; "
+                             f"the plan sized its slots for other weights (recompile the plan)")
+        for k, src in zip(keys, srcs):
             views[k] = slot.region.view(slot.offset + off, src.shape, src.dtype, what=f"{what} weight {k}")
             pairs.append((src, views[k]))
-            off += align(self._nbytes(k))
+            off += _placed(src)
         return views, pairs, off
 
     def _submit_unit(self, pool: _SlotPool, unit: Any, keys: list[str], what: str, layer: int | None):
