@@ -11,6 +11,16 @@ class CheckpointError(MoeccError):
     """The model directory is missing, is not a checkpoint, or is inconsistent."""
 
 
+class ConfigError(CheckpointError):
+    """A field of config.json (or generation_config.json) that moecc reads has the wrong type,
+    is out of range, or disagrees with another field; the message names the file and the
+    field (`path`, `field`)."""
+
+    def __init__(self, path: str, field: str, message: str):
+        super().__init__(f"{path}: field '{field}' {message}")
+        self.path, self.field = path, field
+
+
 class UnsupportedModelError(MoeccError):
     """The architecture (or one of its features) is not supported yet."""
 

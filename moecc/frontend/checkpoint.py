@@ -43,6 +43,29 @@ def read_safetensors_header(path: Path) -> Header:
         raise CheckpointError(str(e)) from None
 
 
+def _json_kind(v: object) -> str:
+    """What a JSON value is, in words (for messages)."""
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return kinds.get(type(v), type(v).__name__)
+
+
+def read_json_object(path: Path) -> dict:
+    """needs: a file that should hold one JSON object. guarantees: that object, or a
+    CheckpointError naming the file and why (unreadable, not UTF-8, not JSON, not an object)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object ({{...}}), got {_json_kind(data)}")
+    return data
+
+
 def read_checkpoint(directory: str | Path) -> Checkpoint:
     """Read config.json and every safetensors header in `directory` (no weights loaded)."""
     d = Path(directory)
@@ -56,21 +79,18 @@ def read_checkpoint(directory: str | Path) -> Checkpoint:
             f"{d}: not a checkpoint directory (no config.json); expected a Hugging Face model "
             f"directory with config.json and *.safetensors"
         )
-    try:
-        config = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON: {e}") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{cfg_path}: expected a JSON object")
+    config = read_json_object(cfg_path)
     ckpt = Checkpoint(d.resolve(), config)
 
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: malformed shard index: {e}") from e
-        files = sorted(set(weight_map.values()))
+        data = read_json_object(index)
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict):
+            what = _json_kind(weight_map) if "weight_map" in data else "missing"
+            raise CheckpointError(f"{index}: malformed shard index: 'weight_map' is {what}; expected an "
+                                  f"object of tensor name -> file name")
+        files = sorted(set(weight_map.values()), key=str)
     else:
         files = sorted(p.name for p in d.glob("*.safetensors"))
     for fname in files:

@@ -125,6 +125,9 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
         E, k = mod.weight.shape[0], int(mod.top_k)
         norm = bool(getattr(mod, "norm_topk_prob", True))
         weights = {"weight": r.tensor(f"{path}.weight", (E, H))}
+        # DeepSeek's routers (below) compute in fp32 from their weights as stored, which
+        # transformers keeps in fp32 (_keep_in_fp32_modules_strict): `fp32_weights` tells the
+        # runtime not to cast them to the compute dtype first
         attrs: dict[str, Any] = {"num_experts": E, "top_k": k, "scoring": "softmax", "norm_topk_prob": norm,
                                  "weights_in_model_dtype": _router_casts_weights(mod, H)}
         if isinstance(getattr(mod, "bias", None), nn.Parameter):  # gpt-oss: biased logits, softmax over the top k
@@ -133,14 +136,14 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
         elif hasattr(mod, "e_score_correction_bias"):  # DeepSeek-V3: sigmoid scores, group-limited top-k
             weights["bias"] = r.tensor(f"{path}.e_score_correction_bias", (E,))
             attrs.update(scoring="sigmoid", num_groups=int(mod.num_group), topk_groups=int(mod.topk_group),
-                         routed_scaling_factor=float(mod.routed_scaling_factor))
+                         routed_scaling_factor=float(mod.routed_scaling_factor), fp32_weights=True)
         elif hasattr(mod, "topk_method"):  # DeepSeek-V2: softmax, greedy or group-limited, scaled, not renormalised
             if mod.topk_method not in ("greedy", "group_limited_greedy"):
                 raise UnsupportedModelError(f"{path}: router topk_method {mod.topk_method!r} is not supported "
                                             f"(supported: greedy, group_limited_greedy)")
             attrs.update(topk_method=mod.topk_method, num_groups=int(mod.num_group or 1),
                          topk_groups=int(mod.topk_group or 1), routed_scaling_factor=float(mod.routed_scaling_factor),
-                         norm_topk_prob=False, weights_in_model_dtype=False)
+                         norm_topk_prob=False, weights_in_model_dtype=False, fp32_weights=True)
         g.add(Node(name, "router", [tensor_input(args[0], n)], role="router", layer=idx, shape=("T", k),
                    weights=weights, attrs=attrs, flops_per_token=2 * H * E, source=path))
         return _Ref("tuple", name)
@@ -287,7 +290,10 @@ def _lower_attention(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n
                                             f"projection ({heads * hd}) are supported, not {type(sub).__name__}")
             w[qk] = r.tensor(f"{path}.{qk}.weight", (width,))
             attrs["qk_norm_eps"] = norm_eps(sub)
-            attrs["qk_norm"] = "head" if width == hd else "full"
+            # one mode for both: "full" when either norm spans more than one head (OLMoE with
+            # one KV head has a k norm of one head's width, yet over the whole projection)
+            full = width != hd or attrs.get("qk_norm") == "full"
+            attrs["qk_norm"] = "full" if full else "head"
     clip = getattr(mod.config, "clip_qkv", None)
     if clip is not None:
         attrs["clip_qkv"] = float(clip)

@@ -13,6 +13,9 @@ from moecc.ir import DTYPE_BYTES, Graph
 from moecc_runtime.plan_schema import ALIGN
 
 
+_FLOATS = ("float32", "float16", "bfloat16", "float64")
+
+
 def slot_bytes(node, itemsize: int) -> int:
     """Arena bytes `node`'s weights take when the runtime copies them into a slot: each
     tensor at ALIGN, in the wider of its file dtype and the compute dtype (a tensor stored
@@ -79,6 +82,7 @@ class ModelCost:
     head_dim: int = 0
     max_context: int = 0  # the model's context (a device KV buffer holds one such sequence)
     head_slot_bytes: int = 0  # the head module's weights as a slot holds them
+    cast_bytes: int = 0  # host copies of weights stored in another dtype than the compute dtype
     extra: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -143,6 +147,8 @@ def model_cost(graph: Graph) -> ModelCost:
     stem = head = head_flops = head_elem = head_slot = 0
     inter = 0
     buffers = 0
+    cast = sum(w.nbytes // DTYPE_BYTES[w.dtype] * itemsize for n in graph.nodes for w in n.weights.values()
+               if w.dtype != info.dtype and w.dtype in _FLOATS)
     for n in graph.nodes:
         if n.op == "host_buffer":
             buffers += int(n.attrs.get("bytes_per_token", 0))
@@ -203,5 +209,5 @@ def model_cost(graph: Graph) -> ModelCost:
         kv_bytes_per_token=info.kv_bytes_per_token,
         act_bytes_per_token=(2 * H + 3 * inter) * 4, buffer_bytes_per_token=buffers,
         weight_bytes=graph.weight_bytes, head_dim=info.head_dim, max_context=info.max_position_embeddings,
-        head_slot_bytes=head_slot,
+        head_slot_bytes=head_slot, cast_bytes=cast,
     )

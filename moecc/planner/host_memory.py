@@ -3,7 +3,8 @@ kept for what the plan does not size.
 
 A plan's host bytes are
   weights   the checkpoint's tensors, memory-mapped (every step reads them: they must stay
-            in RAM, or the job runs at disk speed)
+            in RAM, or the job runs at disk speed), plus the host copies of those stored in
+            another dtype than the compute dtype (cast once when first read)
   kv_cache  the paged KV pool (runtime/memory/kv.py); the planner needs B sequences of the
             workload's length, and gives the pool every byte the budget leaves
   buffers   the host buffers between modules, one row per token of the largest step
@@ -90,7 +91,7 @@ def seq_blocks(tokens: int) -> int:
 
 def host_bytes(cost: ModelCost, seq_len: int, B: int, tps: int) -> dict[str, int]:
     """The plan's sized host bytes at batch B and `tps` prompt tokens per prefill step."""
-    return {"weights": cost.weight_bytes,
+    return {"weights": cost.weight_bytes + cost.cast_bytes,
             "kv_cache": B * seq_blocks(seq_len) * KV_BLOCK_SIZE * cost.kv_bytes_per_token,
             "buffers": max(B, tps) * cost.buffer_bytes_per_token}
 

@@ -8,7 +8,7 @@ same arguments twice produces byte-identical files.
 Command line::
 
     python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|qwen2_moe|olmoe|deepseek_v2|deepseek_v3|gpt_oss]
-        [--layout per_expert|fused] [--seed N] [--dtype float32]
+        [--layout per_expert|fused] [--seed N] [--dtype float32] [--keep-fp32 NAME ...]
         [--preset demo] [--set key=value ...]
 """
 
@@ -375,6 +375,18 @@ def _save_fused(model: transformers.PreTrainedModel, out: Path) -> None:
         model.generation_config.save_pretrained(out)
 
 
+def _cast_keeping_fp32(model: transformers.PreTrainedModel, dtype: torch.dtype,
+                       fp32_params: Sequence[str]) -> None:
+    """Cast `model` to `dtype`, except parameters and buffers whose name contains one of
+    `fp32_params`: those keep their float32 values (not rounded through `dtype`)."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    kept = {n: t.detach().float().clone() for n, t in named if any(f in n for f in fp32_params)}
+    model.to(dtype)
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        if n in kept:
+            t.data = kept[n]
+
+
 def write_checkpoint(
     out_dir: str | Path,
     family: str = "mixtral",
@@ -382,6 +394,7 @@ def write_checkpoint(
     layout: str = "per_expert",
     seed: int = 0,
     dtype: str = "float32",
+    fp32_params: Sequence[str] = (),
     **config_overrides: Any,
 ) -> Path:
     """Write config.json, model safetensors and tokenizer files for a tiny random-init model; return out_dir.
@@ -390,6 +403,10 @@ def write_checkpoint(
     one tensor per expert projection); ``layout="fused"`` writes the in-memory
     3-D expert tensors (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``)
     to a single ``model.safetensors``.  Both load with ``AutoModelForCausalLM``.
+    ``fp32_params``: tensors whose transformers name contains one of these fragments stay in
+    float32 while the rest is `dtype` (a mixed-dtype checkpoint, as bf16 releases with fp32
+    norms or routers: e.g. ``("norm", "mlp.gate.weight")``); config.json records the model's
+    dtype as save_pretrained does.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
@@ -407,7 +424,8 @@ def write_checkpoint(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _model_class(family)(config)
-    model = model.to(DTYPES[dtype]).eval()
+    _cast_keeping_fp32(model, DTYPES[dtype], fp32_params)
+    model.eval()
 
     with _quiet_progress_bars():
         if layout == "per_expert":
@@ -446,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layout", choices=LAYOUTS, default="per_expert")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--keep-fp32", dest="fp32_params", metavar="NAME", action="append", default=[],
+                        help="keep tensors whose name contains NAME in float32 (repeatable; a mixed-dtype checkpoint)")
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None, help="named larger configuration")
     parser.add_argument(
         "--set",
@@ -470,7 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         out = write_checkpoint(
-            args.out_dir, family, layout=args.layout, seed=args.seed, dtype=args.dtype, **overrides
+            args.out_dir, family, layout=args.layout, seed=args.seed, dtype=args.dtype,
+            fp32_params=tuple(args.fp32_params), **overrides
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -5,12 +5,19 @@ fetched to the compute device on demand.
 On CPU the "fetch" is the mmap view itself; on CUDA a fetched slice is copied to device
 memory once and kept. With a device budget, memory/streaming.py copies slices into the
 arena instead (`host` is what it copies from).
+
+Mixed dtypes: a checkpoint may keep some tensors in another dtype than the one the model
+computes in (bf16 matrices with fp32 norms and routers). The plan's `model.info.dtype` is
+the compute dtype; a floating slice of another dtype is cast to it when first read (a host
+copy, kept), unless an op reads it in fp32 on its own (`fp32_weight_keys`: transformers
+keeps those in fp32 too). The manifest keeps each slice's file dtype.
 """
 
 from __future__ import annotations
 
 import mmap
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +34,25 @@ class WeightError(Exception):
     """A weight named by the plan cannot be read from the checkpoint."""
 
 
+def fp32_weight_keys(schedule: list[dict[str, Any]]) -> frozenset[str]:
+    """Manifest keys of the weights of ops whose attrs say `fp32_weights` (DeepSeek's routers:
+    their kernel computes in fp32 from the weights as stored, as transformers keeps them in
+    fp32): never cast to the compute dtype, so an fp32 gate keeps its precision."""
+    return frozenset(k for m in schedule for op in m["ops"] if op["attrs"].get("fp32_weights")
+                     for k in op["weights"].values())
+
+
 class WeightStore:
-    def __init__(self, manifest: dict[str, dict[str, Any]], model_dir: Path, device: torch.device):
+    def __init__(self, manifest: dict[str, dict[str, Any]], model_dir: Path, device: torch.device,
+                 compute_dtype: torch.dtype | None = None, keep: Iterable[str] = ()):
+        """needs: the plan's weight manifest and its checkpoint directory. `compute_dtype`:
+        floating slices of another dtype are cast to it when read, except the keys in `keep`
+        (None: every slice as stored)."""
         self.manifest = manifest
         self.dir = Path(model_dir)
         self.device = device
+        self.compute_dtype = compute_dtype
+        self.keep = frozenset(keep)
         self._maps: dict[str, mmap.mmap] = {}
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict[str, torch.Tensor] = {}
@@ -56,10 +77,23 @@ class WeightStore:
         return m
 
     def host(self, key: str) -> torch.Tensor:
-        """The slice `key` as a tensor over the memory-mapped file."""
+        """The slice `key` on the host: a tensor over the memory-mapped file, or (a slice
+        stored in another floating dtype than the compute dtype) its cast copy. Kept."""
         t = self._host.get(key)
-        if t is not None:
-            return t
+        if t is None:
+            t = self._view(key)
+            if self._casts(key, t):
+                t = t.to(self.compute_dtype)  # a copy; the mmap view is dropped
+            self._host[key] = t
+        return t
+
+    def _casts(self, key: str, t: torch.Tensor) -> bool:
+        """Whether slice `key` (as stored: `t`) is cast to the compute dtype when read."""
+        cd = self.compute_dtype
+        return cd is not None and t.dtype != cd and t.is_floating_point() and key not in self.keep
+
+    def _view(self, key: str) -> torch.Tensor:
+        """The slice `key` as a tensor over the memory-mapped file, in its file dtype."""
         entry = self.manifest.get(key)
         if entry is None:
             raise WeightError(f"weight {key} is not in the plan's manifest (plan and runtime disagree)")
@@ -78,9 +112,7 @@ class WeightStore:
             )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t = torch.frombuffer(m, dtype=dtype, count=numel, offset=entry["offset"]).view(entry["shape"])
-        self._host[key] = t
-        return t
+            return torch.frombuffer(m, dtype=dtype, count=numel, offset=entry["offset"]).view(entry["shape"])
 
     def get(self, key: str) -> torch.Tensor:
         """The slice `key` on the compute device (fetched once, then kept)."""

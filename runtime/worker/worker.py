@@ -31,7 +31,7 @@ from moecc_runtime.memory.arena import DeviceArena, Region, align
 from moecc_runtime.memory.copy_engine import CopyEngine
 from moecc_runtime.memory.kv import KVGeometry, KVPool
 from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
-from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore
+from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
 from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
 from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS
 from moecc_runtime.worker import kernels
@@ -66,7 +66,8 @@ class Worker:
         self.info = plan["model"]["info"]
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[self.info["dtype"]]
-        self.store = WeightStore(plan["weights"], model_dir, self.device)
+        self.store = WeightStore(plan["weights"], model_dir, self.device, compute_dtype=self.dtype,
+                                 keep=fp32_weight_keys(plan["schedule"]))
         # (b_a, b_e) per phase: a step that is mostly prompt tokens runs with the plan's prefill
         # sizes, any other with its decode sizes (the arena was sized for both)
         self._phase_sizes = {phase: (int(attn_micro_batch or plan["batch"][phase]["b_a"]),
