@@ -118,24 +118,29 @@ def _plain_name(name: Any, where: str) -> None:
 
 def _check_manifest(plan: dict[str, Any], headers: dict[str, dict[str, TensorLocation]]) -> None:
     """Every manifest entry is the slice of its tensor it says: same file, dtype, shape, offset."""
-    for key, e in plan["weights"].items():
-        where = f"plan.weights[{key!r}]"
-        if e["file"] is None:
-            continue
-        _plain_name(e["file"], f"{where}.file")
-        loc = headers.get(e["file"], {}).get(e["tensor"])
-        if loc is None or loc.dtype != e["dtype"]:
-            found = "absent" if loc is None else f"of dtype {loc.dtype}"
-            raise PlanError(f"{where}: tensor {e['tensor']} ({e['dtype']}) is {found} in {e['file']}; "
-                            f"recompile the plan for this checkpoint")
-        try:
-            offset, shape = slice_of(loc, e["index"], e["rows"], ITEMSIZE[loc.dtype])
-        except HeaderError as err:
-            raise PlanError(f"{where}: {err}; recompile the plan for this checkpoint") from None
-        if (offset, list(shape)) != (e["offset"], list(e["shape"])):
-            raise PlanError(f"{where}: names bytes at {e['offset']} of shape {e['shape']} but tensor "
-                            f"{e['tensor']}'s slice is at {offset} of shape {list(shape)} in {e['file']}; "
-                            f"recompile the plan for this checkpoint")
+    for key, entry in plan["weights"].items():
+        for part, e in {"data": entry, **entry.get("parts", {})}.items():
+            _check_stored(f"plan.weights[{key!r}]" + ("" if part == "data" else f".parts[{part!r}]"), e, headers)
+
+
+def _check_stored(where: str, e: dict[str, Any], headers: dict[str, dict[str, TensorLocation]]) -> None:
+    """One stored tensor slice of the manifest is what it says, in its file's header."""
+    if e["file"] is None:
+        return
+    _plain_name(e["file"], f"{where}.file")
+    loc = headers.get(e["file"], {}).get(e["tensor"])
+    if loc is None or loc.dtype != e["dtype"]:
+        found = "absent" if loc is None else f"of dtype {loc.dtype}"
+        raise PlanError(f"{where}: tensor {e['tensor']} ({e['dtype']}) is {found} in {e['file']}; "
+                        f"recompile the plan for this checkpoint")
+    try:
+        offset, shape = slice_of(loc, e["index"], e["rows"], ITEMSIZE[loc.dtype])
+    except HeaderError as err:
+        raise PlanError(f"{where}: {err}; recompile the plan for this checkpoint") from None
+    if (offset, list(shape)) != (e["offset"], list(e["shape"])):
+        raise PlanError(f"{where}: names bytes at {e['offset']} of shape {e['shape']} but tensor "
+                        f"{e['tensor']}'s slice is at {offset} of shape {list(shape)} in {e['file']}; "
+                        f"recompile the plan for this checkpoint")
 
 
 def describe(plan: dict[str, Any]) -> str:

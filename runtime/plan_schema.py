@@ -153,7 +153,9 @@ class Arena(TypedDict):
     stage_bytes: int
 
 
-class WeightEntry(TypedDict):
+class StoredTensor(TypedDict):
+    """Bytes of one checkpoint tensor (or a slice of it) as stored."""
+
     tensor: str  # the checkpoint tensor
     dtype: str
     shape: list[int]
@@ -162,6 +164,17 @@ class WeightEntry(TypedDict):
     file: str | None  # None: a config-only plan
     offset: int | None  # absolute byte offset in the file
     nbytes: int
+
+
+class WeightEntry(StoredTensor):
+    """One weight an op reads: its stored data tensor (the fields above) and, for a stored
+    format other than dense (runtime/formats/), the other stored tensors and the format's
+    facts. Absent format: dense, read as it is (cast to the compute dtype if need be)."""
+
+    format: NotRequired[str]  # dense, fp8_block, mxfp4, int8_channel, int4_group
+    logical_shape: NotRequired[list[int]]  # the weight as ops see it (shape is the data part's)
+    parts: NotRequired[dict[str, StoredTensor]]  # e.g. {"scale": ...}: the other stored tensors
+    format_attrs: NotRequired[dict[str, Any]]  # block sizes, the first row's offset into its block
 
 
 class Rope(TypedDict):

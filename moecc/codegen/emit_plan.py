@@ -112,8 +112,19 @@ def _plan(g: Graph, ckpt: Any, schedule: list[dict[str, Any]], manifest: dict[st
 
 
 def _locate(ckpt: Any, ref: WeightRef) -> dict[str, Any]:
-    """File and absolute byte offset of the exact slice `ref` names (no copy is ever made;
-    the runtime checks it against the file's header with the same `slice_of`)."""
+    """The manifest entry of `ref`: file and absolute byte offset of each stored tensor slice
+    it names (no copy is ever made; the runtime checks each against the file's header with
+    the same `slice_of`), and for a quantized format its logical shape and facts."""
+    stored = ref.stored()
+    entry = _locate_stored(ckpt, stored.pop("data"))
+    if ref.format != "dense":
+        entry.update(format=ref.format, logical_shape=list(ref.shape),
+                     parts={name: _locate_stored(ckpt, p) for name, p in stored.items()},
+                     format_attrs=dict(ref.attrs))
+    return entry
+
+
+def _locate_stored(ckpt: Any, ref: WeightRef) -> dict[str, Any]:
     loc = ckpt.tensors.get(ref.tensor)
     entry = {"tensor": ref.tensor, "dtype": ref.dtype, "shape": list(ref.shape),
              "index": ref.index, "rows": list(ref.rows) if ref.rows else None}

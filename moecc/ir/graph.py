@@ -51,7 +51,12 @@ class WeightRef:
 
     `tensor` is the checkpoint tensor name; `index` selects a slice along dim 0 (one expert
     of a fused 3-D tensor), `rows` a row range of that slice (gate or up half of gate_up).
-    `shape` is the shape of the referenced piece, after slicing.
+    `shape` is the shape of the referenced piece, after slicing: the shape ops see.
+
+    A weight in a stored format other than "dense" (runtime/formats/: fp8_block, mxfp4,
+    int8_channel, int4_group) is its stored tensors, `parts` ("data" first, then scales),
+    each a dense WeightRef of the bytes as stored, and the format's `attrs` (block sizes,
+    the first row's offset into its scale block); `tensor`/`dtype` are then the data part's.
     """
 
     tensor: str
@@ -59,13 +64,31 @@ class WeightRef:
     dtype: str
     index: int | None = None
     rows: tuple[int, int] | None = None
+    format: str = "dense"
+    parts: tuple[tuple[str, "WeightRef"], ...] = ()
+    attrs: tuple[tuple[str, Any], ...] = ()
 
     @property
     def nbytes(self) -> int:
+        """Stored bytes (what host memory holds and a copy moves)."""
+        if self.format != "dense":
+            return sum(p.nbytes for _, p in self.parts)
         n = 1
         for d in self.shape:
             n *= d
         return n * DTYPE_BYTES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the weight as ops see it."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def stored(self) -> dict[str, "WeightRef"]:
+        """The stored tensors: {"data": self} for a dense weight, else its parts."""
+        return {"data": self} if self.format == "dense" else dict(self.parts)
 
     def describe(self) -> str:
         sel = ""
@@ -73,7 +96,8 @@ class WeightRef:
             sel += f"[{self.index}]"
         if self.rows is not None:
             sel += f"[{self.rows[0]}:{self.rows[1]}]"
-        return f"{self.tensor}{sel}"
+        fmt = "" if self.format == "dense" else f" ({self.format})"
+        return f"{self.tensor}{sel}{fmt}"
 
 
 #: bytes per element of every dtype a checkpoint may hold (the runtime's header reader's table)

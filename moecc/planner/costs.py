@@ -16,16 +16,19 @@ from moecc_runtime.plan_schema import ALIGN
 _FLOATS = ("float32", "float16", "bfloat16", "float64")
 
 
+def placed_bytes(w, itemsize: int) -> int:
+    """Arena bytes weight `w` takes in a slot, as runtime/memory/streaming.py places it: each
+    stored tensor at ALIGN; a dense tensor in the wider of its file dtype and the compute dtype
+    (one stored in another dtype is cast to the compute dtype when read), a quantized one's
+    parts as stored (dequantized on the device, next to the GEMM)."""
+    if w.format != "dense":
+        return sum(-(-p.nbytes // ALIGN) * ALIGN for p in w.stored().values())
+    return -(-w.numel * max(DTYPE_BYTES[w.dtype], itemsize) // ALIGN) * ALIGN
+
+
 def slot_bytes(node, itemsize: int) -> int:
-    """Arena bytes `node`'s weights take when the runtime copies them into a slot: each
-    tensor at ALIGN, in the wider of its file dtype and the compute dtype (a tensor stored
-    in another dtype is cast to the compute dtype when viewed), as runtime/memory/streaming.py
-    places them."""
-    total = 0
-    for w in node.weights.values():
-        numel = w.nbytes // DTYPE_BYTES[w.dtype]
-        total += -(-numel * max(DTYPE_BYTES[w.dtype], itemsize) // ALIGN) * ALIGN
-    return total
+    """Arena bytes `node`'s weights take in a slot (see placed_bytes)."""
+    return sum(placed_bytes(w, itemsize) for w in node.weights.values())
 
 
 def _expert_slot_bytes(node, itemsize: int) -> int:
@@ -33,8 +36,7 @@ def _expert_slot_bytes(node, itemsize: int) -> int:
     per: dict[int, int] = {}
     for local, w in node.weights.items():
         e = int(local.split(".")[0][1:])
-        numel = w.nbytes // DTYPE_BYTES[w.dtype]
-        per[e] = per.get(e, 0) + -(-numel * max(DTYPE_BYTES[w.dtype], itemsize) // ALIGN) * ALIGN
+        per[e] = per.get(e, 0) + placed_bytes(w, itemsize)
     return max(per.values(), default=0)
 
 
@@ -147,8 +149,8 @@ def model_cost(graph: Graph) -> ModelCost:
     stem = head = head_flops = head_elem = head_slot = 0
     inter = 0
     buffers = 0
-    cast = sum(w.nbytes // DTYPE_BYTES[w.dtype] * itemsize for n in graph.nodes for w in n.weights.values()
-               if w.dtype != info.dtype and w.dtype in _FLOATS)
+    cast = sum(w.numel * itemsize for n in graph.nodes for w in n.weights.values()
+               if w.format == "dense" and w.dtype != info.dtype and w.dtype in _FLOATS)
     for n in graph.nodes:
         if n.op == "host_buffer":
             buffers += int(n.attrs.get("bytes_per_token", 0))

@@ -27,6 +27,7 @@ from moecc_runtime.memory.arena import ALIGN, ArenaError, DeviceArena, Region, a
 from moecc_runtime.memory.copy_engine import CopyEngine, CopyError, Ticket
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.weights import WeightError, WeightStore
+from moecc_runtime import formats
 from moecc_runtime.plan_schema import expert_group
 from moecc_runtime.worker import kernels
 
@@ -53,12 +54,18 @@ class InPlaceWeights:
 
     def __init__(self, store: WeightStore):
         self.store = store
+        self._made: dict[str, torch.Tensor] = {}  # the running module's materialized quantized weights
 
     def enter(self, index: int) -> None:
-        pass
+        self._made.clear()
 
     def get(self, key: str) -> torch.Tensor:
-        return self.store.get(key)
+        t = self._made.get(key)
+        if t is None:
+            t = self.store.get(key)
+            if not formats.is_dense(self.store.manifest[key]):  # dequantized once per module run
+                self._made[key] = t
+        return t
 
     def experts(self, op: dict, used: list[int]) -> Iterator[ExpertWeights]:
         for e in used:
@@ -142,8 +149,9 @@ class StreamedWeights:
         self.schedule = plan["schedule"]
         self._op_layer = {op["name"]: m.get("layer") for m in self.schedule for op in m["ops"]}
         resident = set(lay["resident"])
-        self.views: dict[str, torch.Tensor] = {}  # resident key -> arena tensor
-        self._cur: dict[str, torch.Tensor] = {}  # the running module's streamed weights
+        self.views: dict[str, dict[str, torch.Tensor]] = {}  # resident key -> its stored tensors in the arena
+        self._cur: dict[str, dict[str, torch.Tensor]] = {}  # the running module's streamed weights, the same
+        self._made: dict[str, torch.Tensor] = {}  # the running module's dequantized weights
         self.units: list[list[str] | None] = []  # per module: streamed dense keys, or None
         self.resident_experts: set[str] = set()  # expert op names whose experts are resident
         res_keys: list[str] = []
@@ -170,30 +178,36 @@ class StreamedWeights:
     # -- resident weights: copied in once -------------------------------------------------
     def _load_resident(self, keys: list[str]) -> None:
         keys = list(dict.fromkeys(keys))
-        srcs = [self.store.host(k) for k in keys]
-        total = sum(_placed(t) for t in srcs)
+        srcs = [self.store.stored(k) for k in keys]
+        total = sum(_placed(t) for parts in srcs for t in parts.values())
         region = self.arena.region("resident", total)
         off = 0
         pairs = []
-        for k, src in zip(keys, srcs):
-            self.views[k] = region.view(off, src.shape, src.dtype, what=f"resident weight {k}")
-            pairs.append((src, self.views[k]))
-            off += _placed(src)
+        for k, parts in zip(keys, srcs):
+            views = self.views[k] = {}
+            for name, src in parts.items():
+                views[name] = region.view(off, src.shape, src.dtype, what=f"resident weight {k}.{name}")
+                pairs.append((src, views[name]))
+                off += _placed(src)
         if pairs:
             self.engine.submit(f"{len(pairs)} resident weights", total,
                                lambda: self.copier.copy(pairs, None), kind="fetch").wait()
 
     def _place(self, slot: _Slot, keys: list[str], what: str) -> tuple[dict[str, torch.Tensor], list, int]:
-        views, pairs, off = {}, [], 0
-        srcs = [self.store.host(k) for k in keys]
-        need = sum(_placed(t) for t in srcs)
+        views: dict[str, dict[str, torch.Tensor]] = {}
+        pairs, off = [], 0
+        srcs = [self.store.stored(k) for k in keys]
+        need = sum(_placed(t) for parts in srcs for t in parts.values())
         if need > slot.nbytes:
             raise ArenaError(f"device arena: {what} ({need} B as placed) does not fit a {slot.nbytes} B slot; "
                              f"the plan sized its slots for other weights (recompile the plan)")
-        for k, src in zip(keys, srcs):
-            views[k] = slot.region.view(slot.offset + off, src.shape, src.dtype, what=f"{what} weight {k}")
-            pairs.append((src, views[k]))
-            off += _placed(src)
+        for k, parts in zip(keys, srcs):
+            views[k] = {}
+            for name, src in parts.items():
+                views[k][name] = slot.region.view(slot.offset + off, src.shape, src.dtype,
+                                                  what=f"{what} weight {k}.{name}")
+                pairs.append((src, views[k][name]))
+                off += _placed(src)
         return views, pairs, off
 
     def _submit_unit(self, pool: _SlotPool, unit: Any, keys: list[str], what: str, layer: int | None):
@@ -219,6 +233,7 @@ class StreamedWeights:
             self.dense.release(self._holding)
             self._holding = None
         self._cur = {}
+        self._made = {}
         if self.units[index] is not None:
             if index not in self._pending:
                 self._prefetch(index)
@@ -238,19 +253,31 @@ class StreamedWeights:
         self._pending[index] = self._submit_unit(self.dense, index, keys, f"module {m['module']}", m.get("layer"))
 
     def get(self, key: str) -> torch.Tensor:
-        t = self._cur.get(key)
-        if t is None:
-            t = self.views.get(key)
-        if t is None:
+        made = self._made.get(key)
+        if made is not None:
+            return made
+        parts = self._cur.get(key)
+        if parts is None:
+            parts = self.views.get(key)
+        if parts is None:
             raise WeightError(f"weight {key} is neither resident nor fetched for the running module "
                               f"(the plan's schedule and arena disagree)")
-        return t
+        return self._materialize(key, parts)
+
+    def _materialize(self, key: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The weight from its stored tensors in the arena (dense: the view itself; quantized:
+        dequantized on the device, kept for the running module only)."""
+        entry = self.store.manifest[key]
+        if formats.is_dense(entry):
+            return parts["data"]
+        w = self._made[key] = formats.materialize(entry, parts, self.store.compute_dtype or torch.float32, key)
+        return w
 
     # -- experts: expert_slots slots, fetched ahead in the order compute uses them -------
     def experts(self, op: dict, used: list[int]) -> Iterator[ExpertWeights]:
         if op["name"] in self.resident_experts:
             for e in used:
-                yield tuple(self.views[k] for k in expert_keys(op, e))  # type: ignore[misc]
+                yield tuple(self._expert(k, self.views[k]) for k in expert_keys(op, e))  # type: ignore[misc]
             return
         pool = self.expert_pool
         todo = deque(used)
@@ -268,7 +295,7 @@ class StreamedWeights:
             while inflight:
                 slot, t, views, e = inflight.popleft()
                 t.wait()
-                yield tuple(views[k] for k in expert_keys(op, e))  # type: ignore[misc]
+                yield tuple(self._expert(k, views[k]) for k in expert_keys(op, e))  # type: ignore[misc]
                 pool.release(slot)
                 if todo:
                     submit()
@@ -279,6 +306,13 @@ class StreamedWeights:
                 except CopyError:
                     pass
                 pool.release(slot)
+
+    def _expert(self, key: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """An expert weight from its stored tensors (dequantized per use: never kept)."""
+        entry = self.store.manifest[key]
+        if formats.is_dense(entry):
+            return parts["data"]
+        return formats.materialize(entry, parts, self.store.compute_dtype or torch.float32, key)
 
     def close(self) -> None:
         self.engine.drain()

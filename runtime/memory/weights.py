@@ -23,10 +23,13 @@ from typing import Any
 
 import torch
 
+from moecc_runtime import formats
+
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
     "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
 }
 
 
@@ -56,6 +59,8 @@ class WeightStore:
         self._maps: dict[str, mmap.mmap] = {}
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict[str, torch.Tensor] = {}
+        self._stored: dict[str, dict[str, torch.Tensor]] = {}  # quantized weights' stored tensors (host)
+        self._device_parts: dict[str, dict[str, torch.Tensor]] = {}
         self.bytes_fetched = 0
 
     def _map(self, fname: str) -> mmap.mmap:
@@ -77,11 +82,15 @@ class WeightStore:
         return m
 
     def host(self, key: str) -> torch.Tensor:
-        """The slice `key` on the host: a tensor over the memory-mapped file, or (a slice
+        """The dense slice `key` on the host: a tensor over the memory-mapped file, or (a slice
         stored in another floating dtype than the compute dtype) its cast copy. Kept."""
         t = self._host.get(key)
         if t is None:
-            t = self._view(key)
+            entry = self._entry(key)
+            if not formats.is_dense(entry):
+                raise WeightError(f"weight {key} is stored as {formats.format_of(entry)}; read its stored "
+                                  f"tensors (WeightStore.stored) and materialize them where they are used")
+            t = self._view(entry, key)
             if self._casts(key, t):
                 t = t.to(self.compute_dtype)  # a copy; the mmap view is dropped
             self._host[key] = t
@@ -92,14 +101,32 @@ class WeightStore:
         cd = self.compute_dtype
         return cd is not None and t.dtype != cd and t.is_floating_point() and key not in self.keep
 
-    def _view(self, key: str) -> torch.Tensor:
-        """The slice `key` as a tensor over the memory-mapped file, in its file dtype."""
+    def stored(self, key: str) -> dict[str, torch.Tensor]:
+        """The stored tensors of weight `key` on the host, by part name ("data" first): what a
+        copy into the arena moves. A dense weight's one part is `host(key)`."""
+        entry = self._entry(key)
+        if formats.is_dense(entry):
+            return {"data": self.host(key)}
+        parts = self._stored.get(key)
+        if parts is None:
+            parts = self._stored[key] = {name: self._view(e, f"{key}.{name}")
+                                         for name, e in formats.stored_entries(entry).items()}
+        return parts
+
+    def _entry(self, key: str) -> dict[str, Any]:
         entry = self.manifest.get(key)
         if entry is None:
             raise WeightError(f"weight {key} is not in the plan's manifest (plan and runtime disagree)")
+        return entry
+
+    def _view(self, entry: dict[str, Any], key: str) -> torch.Tensor:
+        """The stored tensor slice `entry` as a tensor over the memory-mapped file, in its file dtype."""
         if entry.get("file") is None:
             raise WeightError(f"weight {key} (checkpoint tensor {entry['tensor']}) has no file in the plan")
-        dtype = TORCH_DTYPES[entry["dtype"]]
+        dtype = TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise WeightError(f"weight {key} (checkpoint tensor {entry['tensor']}): dtype {entry['dtype']} is not one "
+                              f"this runtime reads ({', '.join(TORCH_DTYPES)})")
         numel = 1
         for d in entry["shape"]:
             numel *= int(d)
@@ -115,7 +142,12 @@ class WeightStore:
             return torch.frombuffer(m, dtype=dtype, count=numel, offset=entry["offset"]).view(entry["shape"])
 
     def get(self, key: str) -> torch.Tensor:
-        """The slice `key` on the compute device (fetched once, then kept)."""
+        """Weight `key` in the compute dtype on the compute device: a dense slice fetched once
+        and kept; a quantized one's stored tensors fetched once and kept, materialized (dequantized)
+        at every call, next to the GEMM that reads it."""
+        entry = self._entry(key)
+        if not formats.is_dense(entry):
+            return formats.materialize(entry, self._on_device(key), self.compute_dtype or torch.float32, key)
         if self.device.type == "cpu":
             return self.host(key)
         t = self._device.get(key)
@@ -126,8 +158,21 @@ class WeightStore:
             self._device[key] = t
         return t
 
+    def _on_device(self, key: str) -> dict[str, torch.Tensor]:
+        """The stored tensors of `key` on the compute device (on CPU: the mmap views)."""
+        parts = self.stored(key)
+        if self.device.type == "cpu":
+            return parts
+        dev = self._device_parts.get(key)
+        if dev is None:
+            dev = self._device_parts[key] = {n: t.to(self.device) for n, t in parts.items()}
+            self.bytes_fetched += sum(t.numel() * t.element_size() for t in parts.values())
+        return dev
+
     def close(self) -> None:
         self._host.clear()
+        self._stored.clear()
+        self._device_parts.clear()
         self._device.clear()
         for m in self._maps.values():
             try:
