@@ -14,6 +14,15 @@ from moecc_runtime.plan_schema import ALIGN
 
 
 _FLOATS = ("float32", "float16", "bfloat16", "float64")
+#: Bytes a dequantize touches per weight element, as runtime/formats/ do it: the stored value
+#: and its scale widened to fp32 (4 + 4), their product (4) and the compute-dtype result
+#: (itemsize, counted at 4): priced at the profile's measured elementwise rate.
+DEQUANT_BYTES_PER_ELEM = 16
+
+
+def dequant_bytes(node) -> int:
+    """Bytes the dequantize of `node`'s quantized weights touches (0: all dense)."""
+    return sum(w.numel * DEQUANT_BYTES_PER_ELEM for w in node.weights.values() if w.format != "dense")
 
 
 def placed_bytes(w, itemsize: int) -> int:
@@ -61,6 +70,9 @@ class LayerCost:
     attn_slot_bytes: int = 0  # the attention module's weights as a slot holds them (see slot_bytes)
     ffn_slot_bytes: int = 0  # the MoE / MLP module's weights but its experts, as a slot holds them
     expert_slot_bytes: int = 0  # one expert's weights as an expert slot holds them
+    attn_dequant_bytes: int = 0  # bytes the dequantize of the attention module's quantized weights touches
+    ffn_dequant_bytes: int = 0  # the same for the MoE / MLP module's weights but its experts
+    expert_dequant_bytes: int = 0  # the same for one expert (each expert in use, every step)
 
     @property
     def moe(self) -> bool:
@@ -169,12 +181,15 @@ def model_cost(graph: Graph) -> ModelCost:
         if n.module is not None and n.module.endswith(".attn"):
             lc.attn_elem_bytes += elementwise_bytes(n, itemsize, H)
             lc.attn_slot_bytes += slot_bytes(n, itemsize)
+            lc.attn_dequant_bytes += dequant_bytes(n)
         else:
             lc.ffn_elem_bytes += elementwise_bytes(n, itemsize, H)
             if n.op == "experts":
                 lc.expert_slot_bytes = _expert_slot_bytes(n, itemsize)
+                lc.expert_dequant_bytes = dequant_bytes(n) // max(1, int(n.attrs["num_experts"]))
             else:
                 lc.ffn_slot_bytes += slot_bytes(n, itemsize)
+                lc.ffn_dequant_bytes += dequant_bytes(n)
         if n.op == "host_buffer":
             continue
         if n.op == "kv_load":

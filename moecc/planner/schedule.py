@@ -201,8 +201,10 @@ def attn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, shape: StepShape
                        gather: bool = True) -> float:
     """A layer's attention micro-batches (calibrated; without the copies they steal from)."""
     M = max(1, math.ceil(shape.S / max(1, b_a)))
+    dequant = elementwise_seconds(rates, dtype, lc.attn_dequant_bytes, 1)  # once per step, kept for its micro-batches
     return calibrated(rates, mode_of(not gather), "attention",
-                      M * attn_micro_seconds(lc, rates, dtype, shape.S / M, shape.T / M, shape.context, gather), M)
+                      M * attn_micro_seconds(lc, rates, dtype, shape.S / M, shape.T / M, shape.context, gather)
+                      + dequant, M)
 
 
 def router_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, mode: str = "resident") -> float:
@@ -216,11 +218,13 @@ def router_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, mode: str 
 def ffn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, b_e: int, mode: str = "resident") -> float:
     """Router plus every expert in use over its tokens in chunks of b_e (or the dense MLP)."""
     t = router_seconds(lc, rates, dtype, T, mode)
+    t += elementwise_seconds(rates, dtype, lc.ffn_dequant_bytes, 1)  # quantized dense / shared weights, per step
     if lc.moe:
         used = experts_in_use(lc, T)
         per_expert = T * lc.top_k / max(used, 1e-9)
+        dequant = elementwise_seconds(rates, dtype, lc.expert_dequant_bytes, 1)  # each expert in use, per step
         return t + calibrated(rates, mode, "gemm", used * (expert_seconds(
-            rates, dtype, lc.expert_flops, per_expert, b_e, mlp_shape(lc, rates)) + 8 * OP_OVERHEAD_S), used)
+            rates, dtype, lc.expert_flops, per_expert, b_e, mlp_shape(lc, rates)) + 8 * OP_OVERHEAD_S + dequant), used)
     return t + calibrated(rates, mode, "gemm", gemm_seconds(rates, dtype, lc.dense_flops, T, b_e))
 
 

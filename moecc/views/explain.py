@@ -33,6 +33,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
         "device_bytes": {k: v for k, v in dev.items() if v is not None},
         "host_bytes": {k: v for k, v in host.items() if v is not None},
         "host_model": mem.get("host_model"),
+        "weight_formats": weight_formats(plan),
         "batch": {phase: {k: batch[phase][k] for k in ("B", "b_a", "b_e", "tokens_per_step") if k in batch[phase]}
                   for phase in ("prefill", "decode")},
         "overlap": batch.get("overlap"),
@@ -98,6 +99,7 @@ def format_explain(rep: dict[str, Any]) -> str:
         for k, v in d.items():
             lines.append(f"    {k:18s} {format_bytes(int(v)):>12s}")
     lines += _host_model_lines(rep.get("host_model"))
+    lines += _format_lines(rep.get("weight_formats") or {})
     eta = rep.get("eta")
     if eta:
         lines.append(f"  ETA for {eta['requests']} requests ({eta['prompt_tokens']} prompt tokens, up to "
@@ -105,6 +107,45 @@ def format_explain(rep: dict[str, Any]) -> str:
     if rep.get("measured"):
         lines.append(format_comparison(rep["measured"]))
     return "\n".join(lines)
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def weight_formats(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per kind of weight (attention, experts, dense: the MoE module's router, norms, shared
+    and dense MLPs; head; stem): how many slices each stored format holds, their stored
+    bytes, and what they would take in the compute dtype."""
+    itemsize = _ITEMSIZE.get(plan["model"]["info"]["dtype"], 2)
+    out: dict[str, dict[str, Any]] = {}
+    for m in plan["schedule"]:
+        for op in m["ops"]:
+            kind = "experts" if op["op"] == "experts" else {"attn": "attention", "moe": "dense", "mlp": "dense"}.get(
+                m["kind"], m["kind"])
+            for key in op["weights"].values():
+                e = plan["weights"][key]
+                row = out.setdefault(kind, {"formats": {}, "stored_bytes": 0, "compute_bytes": 0})
+                fmt = e.get("format", "dense")
+                row["formats"][fmt] = row["formats"].get(fmt, 0) + 1
+                row["stored_bytes"] += e["nbytes"] + sum(p["nbytes"] for p in e.get("parts", {}).values())
+                numel = 1
+                for d in e.get("logical_shape", e["shape"]):
+                    numel *= int(d)
+                row["compute_bytes"] += numel * itemsize
+    return out
+
+
+def _format_lines(wf: dict[str, dict[str, Any]]) -> list[str]:
+    """The stored format of each kind of weight and the bytes it saves against the compute dtype."""
+    if not wf or all(set(r["formats"]) == {"dense"} for r in wf.values()):
+        return []
+    lines = ["  weight formats (stored bytes; in the compute dtype; saved):"]
+    for kind, r in wf.items():
+        fmts = ", ".join(f"{f} x{n}" for f, n in sorted(r["formats"].items()))
+        saved = r["compute_bytes"] / r["stored_bytes"] if r["stored_bytes"] else 1.0
+        lines.append(f"    {kind:10s} {fmts:28s} {format_bytes(r['stored_bytes']):>10s} of "
+                     f"{format_bytes(r['compute_bytes']):>10s} ({saved:.2f}x smaller)")
+    return lines
 
 
 def _host_model_lines(hm: dict[str, Any] | None) -> list[str]:
