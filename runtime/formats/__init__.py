@@ -18,12 +18,13 @@ from typing import Any, Callable
 
 import torch
 
-from moecc_runtime.formats import fp8_block
+from moecc_runtime.formats import fp8_block, mxfp4
 
 #: format name -> materialize(stored tensors by part name, entry, compute dtype) -> weight
 Materialize = Callable[[dict[str, torch.Tensor], dict[str, Any], torch.dtype], torch.Tensor]
 FORMATS: dict[str, Materialize] = {
     fp8_block.NAME: fp8_block.materialize,
+    mxfp4.NAME: mxfp4.materialize,
 }
 
 
