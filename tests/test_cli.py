@@ -30,7 +30,7 @@ from moecc_runtime.plan import PlanError, check_checkpoint, save_plan
 
 PASSES = ("trace", "split_modules", "insert_host_buffers", "insert_transfers", "solve_batch_sizes", "emit_plan")
 PROVENANCE = re.compile(r"^# (\d{3}) made by pass (\w+) in \d+(?:\.\d+)? ms \((changed|unchanged)\)$")
-RESULT_KEYS = {"custom_id", "text", "token_ids", "finish_reason", "usage"}
+RESULT_KEYS = {"custom_id", "text", "token_ids", "finish_reason", "usage", "moecc"}  # moecc: the job identity
 
 SEEDED = {"custom_id": "seeded", "prompt": "A pulley is a wheel", "max_tokens": 8,
           "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 5}

@@ -165,7 +165,8 @@ def test_openai_batch_round_trip_field_by_field(job, tmp_path):
     rows = {r["custom_id"]: r for r in read_jsonl(out)}
     assert set(rows) == {"chat-1", "cmpl-1", "simple-1"}
     for cid, r in rows.items():
-        assert set(r) == {"id", "custom_id", "response", "error"} and r["error"] is None
+        assert set(r) == {"id", "custom_id", "response", "error", "moecc"} and r["error"] is None
+        assert set(r["moecc"]) == {"plan", "request"}  # the job's identity (resume checks it)
         assert r["id"].startswith("batch_req_")
         resp = r["response"]
         assert resp["status_code"] == 200 and resp["request_id"]

@@ -6,8 +6,11 @@ What a long job can count on:
     are fsync'ed every few seconds and at exit (job/results.py);
   * a bad request fails alone: it becomes an error record (file, line, field) in the errors
     file and on stderr, the others run, and the summary and exit status say how many failed;
-  * `resume=True` skips the requests an earlier run already wrote (results and errors,
-    after cutting a torn last line), so a killed job resumed ends with each request once;
+  * `resume=True` continues the job an earlier run started and skips what it already wrote
+    (after cutting a torn last line), so a killed job resumed ends with each request once.
+    It refuses files another plan (or program) wrote, reruns requests changed since their
+    result or error was written, and moves stale and corrupt lines aside, never losing one
+    (job/results.py); every file the job writes is locked for its life (job/lock.py);
   * with `handle_signals`, the first Ctrl-C (SIGINT) stops admitting requests and lets those
     in flight finish, a second one (or SIGTERM) stops after the current step; either way the
     finished results are on disk and the job is resumable.
@@ -26,10 +29,10 @@ from typing import IO, Any
 import torch
 
 from moecc_runtime.engine import Engine, generate
-from moecc_runtime.job.lock import check_distinct, open_locked, release
+from moecc_runtime.job.lock import JobFiles, check_distinct, open_job_files
 from moecc_runtime.job.progress import Progress
-from moecc_runtime.job.requests import Request, RequestError, iter_requests
-from moecc_runtime.job.results import Done, ResultWriter, error_key, scan_done
+from moecc_runtime.job.requests import Request, RequestError, iter_identified
+from moecc_runtime.job.results import Done, InputKeys, ResultWriter, error_key, plan_identity, resume_scan
 from moecc_runtime.plan import PlanError, check_checkpoint, load_plan
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult
 from moecc_runtime.tokenizer import Tokenizer
@@ -50,6 +53,10 @@ class JobSummary:
     status: str = "done"  # "done" | "interrupted" (stopped early; resumable)
     errors: list[dict[str, Any]] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)  # files whose torn last line was cut on resume
+    changed: int = 0  # resume: requests rerun because they changed since their result was written
+    retried: int = 0  # resume: error records dropped because their request was fixed or changed since
+    corrupt: list[str] = field(default_factory=list)  # resume: "file:line: why" of unreadable lines moved aside
+    plan: str = ""  # the plan identity every line of this job records
     engine: dict[str, Any] = field(default_factory=dict)  # EngineStats as plain data
 
     @property
@@ -66,7 +73,15 @@ class JobSummary:
                 + (f", {self.unfinished} not run (interrupted; rerun with --resume)" if self.unfinished > 0 else "")
                 + f" of {self.requests} requests; tokens in {self.prompt_tokens}, out {self.completion_tokens}; "
                 f"wall {self.wall_seconds:.2f}s; {self.tokens_per_second:.1f} tok/s generated")
+        if self.changed or self.retried:
+            text += f"; {_n(self.changed + self.retried, 'request')} changed since an earlier run, run again"
+        if self.corrupt:
+            text += f"; {_n(len(self.corrupt), 'corrupt line')} moved aside (first: {self.corrupt[0]})"
         return text
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -123,54 +138,94 @@ def run_job(
     stream, or a path: appended to with `resume`, else replaced) as they finish, in `fmt`
     ("moecc" or "openai"). `progress`: "auto", "rich", "plain" or "quiet". With
     `stats_path`, write the job summary and per-step engine records (JSON). With `ray`
-    (distributed.RayOptions), the requests run on a pool of Ray actors instead of here."""
+    (distributed.RayOptions), the requests run on a pool of Ray actors instead of here.
+    Before any model load: the output and errors files are locked and opened (an unwritable
+    one fails at once, naming it) and, with `resume`, checked to be this job's (JobIdentityError
+    otherwise, changing nothing)."""
     wall0 = time.perf_counter()
     plan = load_plan(plan_path)
     mdir = check_checkpoint(plan, model_dir)
+    _check_runnable(plan, plan_path)
     planned_B = int(plan["batch"]["decode"]["B"])
     if plan.get("arena") and max_batch is not None and max_batch > planned_B:
         raise PlanError(f"--max-batch {max_batch} exceeds the B={planned_B} the plan sized its device arena for "
                         f"(staging for B + prefill rows); recompile with `moecc compile ... --max-batch {max_batch}`")
     if resume and not isinstance(output, (str, Path)):
         raise ValueError("resume needs the output file's path (results are appended to it)")
+    if ray is not None:
+        from moecc_runtime.job.distributed import import_ray
+
+        import_ray()  # fail before opening or reading anything when Ray is not installed
     with open(prompts_path, "rb"):
         pass  # a missing or unreadable prompts file fails here, before any output file is created
-    if isinstance(output, (str, Path)):
-        check_distinct(Path(prompts_path), Path(output), Path(errors_path) if errors_path else None)
-        out_file = open_locked(Path(output), resume)  # before the resume scan: this run owns the files now
-    else:
-        out_file = output
+    out_path = Path(output) if isinstance(output, (str, Path)) else None
+    err_path = Path(errors_path) if errors_path else None
+    if out_path is not None:
+        check_distinct(Path(prompts_path), out_path, err_path)
+    files = open_job_files(out_path, err_path, resume)  # this run owns the files now
     try:
-        summary, done, tok = _prepare(mdir, output, errors_path, resume, log)
+        summary = JobSummary(plan=plan_identity(plan, mdir))
+        done = _resume(files, prompts_path, max_tokens, summary, log) if resume else Done()
+        tok = Tokenizer(mdir)
     except BaseException:
-        if out_file is not output:
-            release(Path(output), out_file)
+        files.abort()
         raise
-    writer = ResultWriter(out_file, Path(errors_path) if errors_path else None, fmt,
-                          model=Path(str(plan["model"]["dir"])).name, append_errors=resume)
+    out_file = files.out if files.out is not None else output
+    writer = ResultWriter(out_file, files.err, fmt, plan=summary.plan,  # type: ignore[arg-type]
+                          model=Path(str(plan["model"]["dir"])).name)
     try:
+        job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens)
         runner = _run if ray is None else _run_ray
-        return runner(plan, mdir, prompts_path, writer, tok, summary, done, wall0, max_tokens=max_tokens,
-                      device=device, max_batch=max_batch, log=log, stats_path=stats_path, progress=progress,
-                      handle_signals=handle_signals, **({} if ray is None else {"options": ray}))
+        return runner(job, mdir, wall0, device=device, max_batch=max_batch, stats_path=stats_path,
+                      progress=progress, handle_signals=handle_signals, **({} if ray is None else {"options": ray}))
     finally:
-        writer.close()
-        if out_file is not output:
-            release(Path(output), out_file)
+        try:
+            writer.close()
+        finally:
+            files.close()
 
 
-def _prepare(mdir: Path, output: IO[str] | str | Path, errors_path: str | Path | None, resume: bool,
-             log: IO[str] | None) -> tuple[JobSummary, Done, Tokenizer]:
-    """The job's summary, what an earlier run already did (with `resume`), and the tokenizer."""
-    summary = JobSummary()
-    done = Done()
-    if resume:
-        done = scan_done(Path(output), Path(errors_path) if errors_path else None)  # type: ignore[arg-type]
-        summary.repaired = done.repaired
-        if log is not None:
-            for p in done.repaired:
-                print(f"moecc: {p}: cut a torn last line left by an interrupted run", file=log)
-    return summary, done, Tokenizer(mdir)
+def _check_runnable(plan: dict[str, Any], plan_path: str | Path) -> None:
+    """Refuse (PlanError naming the field) plan values the schema's types admit but no job
+    can run on: a batch size below 1 (the scheduler would never admit a request), a schedule
+    without the head module that yields the logits."""
+    for phase in ("prefill", "decode"):
+        for key, value in plan["batch"][phase].items():
+            if value < 1:
+                raise PlanError(f"{plan_path}: plan.batch.{phase}.{key} is {value}, it must be at least 1; "
+                                f"this plan is not one moecc compile wrote: recompile it")
+    if not any(m["kind"] == "head" for m in plan["schedule"]):
+        raise PlanError(f"{plan_path}: plan.schedule has no head module (nothing computes the logits); "
+                        f"this plan is not one moecc compile wrote: recompile it")
+
+
+def _resume(files: JobFiles, prompts_path: str | Path, max_tokens: int, summary: JobSummary,
+            log: IO[str] | None) -> Done:
+    """Needs: `files` locked and open, `summary.plan` set. Does: checks the output and errors
+    files are this job's and drops what no longer stands (results.resume_scan; one extra
+    pass over the input for its request hashes), reopens the files, says what it did on
+    `log` and in `summary`. Guarantees: JobIdentityError before anything changed when
+    another job wrote the files."""
+    assert files.output is not None
+    inputs = InputKeys.of((item.custom_id, request) for item, request in iter_identified(prompts_path, max_tokens))
+    done = resume_scan(files.output, files.errors, summary.plan, inputs)
+    files.reopen()
+    summary.repaired, summary.changed, summary.retried = done.repaired, done.changed, done.retried
+    summary.corrupt = [f"{path}:{line}: {why}" for path, line, why in done.corrupt]
+    if log is not None:
+        for p in done.repaired:
+            print(f"moecc: {p}: cut a torn last line left by an interrupted run", file=log)
+        for path, line, why in done.corrupt:
+            print(f"moecc: {path}:{line}: corrupt line ({why}), not one moecc exec writes; moved to "
+                  f"{done.replaced[path]} (its request, if in the input, runs again)", file=log)
+        if done.changed:
+            print(f"moecc: {_n(done.changed, 'request')} changed since their results were written; rerunning "
+                  f"them (the old results are in {done.replaced[str(files.output)]})", file=log)
+        if done.retried:
+            print(f"moecc: {_n(done.retried, 'error record')} no longer match a request in {prompts_path} (fixed "
+                  f"or changed since); retrying those requests (the old records are in "
+                  f"{done.replaced[str(files.errors)]})", file=log)
+    return done
 
 
 class Job:
@@ -184,35 +239,39 @@ class Job:
         self.summary, self.done, self.log, self.max_tokens = summary, done, log, max_tokens
         self.apis: dict[str, tuple[str, str | None, tuple[str, ...]]] = {}  # custom_id -> (api, model, stop)
         self.lines: dict[str, int] = {}  # custom_id -> input line
+        self.requests: dict[str, str] = {}  # custom_id -> request hash (results.py's identity)
         self.prog: Progress | None = None
 
     def read(self) -> list[GenRequest]:
-        """The requests still to run, encoded; bad lines and unencodable prompts fail here."""
+        """The requests still to run, encoded; bad lines and unencodable prompts fail here.
+        Skipped (a resumed job): a request whose result stands with the same request hash,
+        and a line whose error stands under the same error_key (custom_id, request hash)."""
         context = int(self.plan["model"]["info"]["max_position_embeddings"])
         vocab = int(self.plan["model"]["info"]["vocab_size"])
         out: list[GenRequest] = []
-        for item in iter_requests(self.prompts_path):
+        for item, request in iter_identified(self.prompts_path, self.max_tokens):
             self.summary.requests += 1
             if isinstance(item, RequestError):
-                rec = item.to_record()
-                if error_key(rec) in self.done.errors:
+                if error_key(item.custom_id, request) in self.done.errors:
                     self.summary.skipped += 1
                     continue
-                self.fail(rec, str(item), item.api)
+                self.fail(item.to_record(), str(item), request, item.api)
                 continue
-            if item.custom_id in self.done.results or f"line:{item.line}" in self.done.errors:
+            if (self.done.results.get(item.custom_id) == request
+                    or error_key(item.custom_id, request) in self.done.errors):
                 self.summary.skipped += 1
                 continue
             try:
                 out.append(_encode(item, self.tok, context, self.max_tokens, vocab))
                 self.lines[item.custom_id] = item.line
+                self.requests[item.custom_id] = request
                 self.apis[item.custom_id] = (item.api, item.model, item.stop)
             except ValueError as e:
                 field_ = "prompt" if item.prompt is not None else "messages"
                 if item.api != "simple":
                     field_ = "body." + field_
                 rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": field_, "message": str(e)}}
-                self.fail(rec, f"{self.prompts_path}:{item.line}: {e}", item.api)
+                self.fail(rec, f"{self.prompts_path}:{item.line}: {e}", request, item.api)
         return out
 
     def start_progress(self, requests: list[GenRequest], mode: str) -> Progress:
@@ -221,7 +280,9 @@ class Job:
                              mode=mode, stream=self.log or sys.stderr)
         return self.prog
 
-    def fail(self, record: dict[str, Any], text: str, api: str = "simple") -> None:
+    def fail(self, record: dict[str, Any], text: str, request: str, api: str = "simple") -> None:
+        """A failed request: counted, on the log, and its error record (with the request
+        hash `request`) in the errors file."""
         self.summary.failed += 1
         self.summary.errors.append(record)
         if self.log is not None:
@@ -229,7 +290,7 @@ class Job:
                 self.prog.log(f"error: {text}")
             else:
                 print(f"error: {text}", file=self.log)
-        self.writer.error(record, api)
+        self.writer.error(record, request, api)
         if self.prog is not None:
             self.prog.request(False)
 
@@ -240,7 +301,8 @@ class Job:
         self.summary.succeeded += 1
         self.summary.prompt_tokens += len(r.prompt_ids)
         self.summary.completion_tokens += len(r.token_ids)
-        self.writer.result(r.key, api, text, r.token_ids, r.finish_reason, len(r.prompt_ids), model)
+        self.writer.result(r.key, api, text, r.token_ids, r.finish_reason, len(r.prompt_ids), model,
+                           request=self.requests[r.key])
         if self.prog is not None:
             self.prog.request(True, len(r.token_ids))
 
@@ -250,7 +312,7 @@ class Job:
         api = self.apis.get(r.key, ("simple", None, ()))[0]
         self.fail({"custom_id": r.key, "error": {"line": line, "field": "max_tokens" if api == "simple" else
                                                  "body.max_tokens", "message": message}},
-                  f"{self.prompts_path}:{line}: {message}", api)
+                  f"{self.prompts_path}:{line}: {message}", self.requests[r.key], api)
 
     def control(self, signals: "_Signals") -> str:
         """What the runner should do now (see generate's `control`), noted on the progress."""
@@ -275,21 +337,19 @@ class Job:
             Path(stats_path).write_text(json.dumps(asdict(self.summary), indent=1) + "\n", encoding="utf-8")
 
 
-def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
-         summary: JobSummary, done: Done, wall0: float, *, max_tokens: int, device: str | None,
-         max_batch: int | None, log: IO[str] | None, stats_path: str | Path | None, progress: str,
-         handle_signals: bool) -> JobSummary:
-    job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens)
+def _run(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batch: int | None,
+         stats_path: str | Path | None, progress: str, handle_signals: bool) -> JobSummary:
+    """Run `job` here, on one device."""
     requests = job.read()
     prog = job.start_progress(requests, progress)
-    signals = _Signals(log, handle_signals)
+    signals = _Signals(job.log, handle_signals)
     start = time.perf_counter()
-    engine = Engine(plan, mdir, pick_device(device), record_steps=stats_path is not None)
+    engine = Engine(job.plan, mdir, pick_device(device), record_steps=stats_path is not None)
 
     outcome = None
     try:
         outcome = generate(engine, requests, job.finished, max_batch=max_batch, on_error=job.failed,
-                           stop_check=tok.stop_check, control=lambda: job.control(signals), on_step=prog.step)
+                           stop_check=job.tok.stop_check, control=lambda: job.control(signals), on_step=prog.step)
     finally:
         stats = asdict(engine.stats)
         stats["overlap_efficiency"] = engine.stats.overlap_efficiency
@@ -297,30 +357,27 @@ def _run(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: Res
             job.end(outcome, signals, start, wall0, stats, stats_path)
         finally:
             engine.close()
-    return summary
+    return job.summary
 
 
-def _run_ray(plan: dict[str, Any], mdir: Path, prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
-             summary: JobSummary, done: Done, wall0: float, *, max_tokens: int, device: str | None,
-             max_batch: int | None, log: IO[str] | None, stats_path: str | Path | None, progress: str,
-             handle_signals: bool, options: Any) -> JobSummary:
-    from moecc_runtime.job.distributed import import_ray, run_on_ray
+def _run_ray(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batch: int | None,
+             stats_path: str | Path | None, progress: str, handle_signals: bool, options: Any) -> JobSummary:
+    """Run `job` on a pool of Ray actors (job/distributed.py); the bookkeeping stays here."""
+    from moecc_runtime.job.distributed import run_on_ray
 
-    import_ray()  # fail before reading anything when Ray is not installed
-    job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens)
     requests = job.read()
     job.start_progress(requests, progress)
-    signals = _Signals(log, handle_signals)
+    signals = _Signals(job.log, handle_signals)
     start = time.perf_counter()
     dev = pick_device(device).type
     outcome = None
     try:
-        outcome = run_on_ray(job, requests, plan, mdir, device=dev, max_batch=max_batch, options=options,
+        outcome = run_on_ray(job, requests, job.plan, mdir, device=dev, max_batch=max_batch, options=options,
                              control=lambda: job.control(signals))
     finally:
         job.end(outcome, signals, start, wall0, {"ray": {"address": options.address, "workers": options.workers}},
                 stats_path)
-    return summary
+    return job.summary
 
 
 def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab: int) -> GenRequest:

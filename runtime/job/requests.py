@@ -18,6 +18,7 @@ still parsed into a :class:`Request`. Only the standard library is used here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -30,6 +31,7 @@ __all__ = [
     "Request",
     "RequestError",
     "RequestFieldError",
+    "iter_identified",
     "iter_request_lines",
     "iter_requests",
     "parse_request",
@@ -424,3 +426,64 @@ def read_requests(path: str | os.PathLike[str]) -> tuple[list[Request], list[Req
     for item in iter_requests(path):
         (requests if isinstance(item, Request) else errors).append(item)
     return requests, errors
+
+
+# --------------------------------------------------------------------------- request identity
+
+
+def canonical_line(raw: bytes, first: bool = False) -> bytes:
+    """A line's content as hashed for its identity: its JSON re-serialised (sorted keys,
+    compact, ASCII) when it parses, else its stripped bytes. Needs: one line's bytes (line 1
+    may carry a UTF-8 BOM, `first`). Guarantees: reformatting or reordering a line's keys
+    never changes it; any change of a value does."""
+    raw = raw.rstrip(b"\n").rstrip(b"\r")
+    if first and raw.startswith(_UTF8_BOM):
+        raw = raw[len(_UTF8_BOM):]
+    raw = raw.strip()
+    try:
+        return json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode("ascii")
+    except (ValueError, RecursionError):  # not JSON (or not text): the bytes themselves
+        return raw
+
+
+def request_hash(canonical: bytes, occurrence: int, default_max_tokens: int | None) -> str:
+    """16 hex digits naming one request of a job: its canonical line, the how-manieth line
+    with its custom_id it is (0: the first; a duplicate's error never stands for the first,
+    valid request, even with identical contents), and the job's default max_tokens when it
+    can change the result (None: the line sets its own, or is a bad line, which fails anyway)."""
+    h = hashlib.sha256(b"moecc.request\x00" + canonical)
+    h.update(f"\x00{occurrence}\x00{default_max_tokens if default_max_tokens is not None else '-'}".encode())
+    return h.hexdigest()[:16]
+
+
+def iter_identified(path: str | os.PathLike[str], default_max_tokens: int) -> Iterator[
+        tuple[Request | RequestError, str]]:
+    """Each item of :func:`iter_requests` with its request hash (:func:`request_hash`).
+    Lines whose custom_id cannot be read count occurrences by their content instead. Raises
+    the file's OSError here, as iter_requests does; never raises for bad content."""
+    name = os.fspath(path)
+    with open(name, "rb"):
+        pass
+
+    def generate() -> Iterator[tuple[Request | RequestError, str]]:
+        tapped: list[tuple[int, bytes]] = [(0, b"")]  # the line iter_request_lines read last
+
+        def tap(lines: Iterable[bytes]) -> Iterator[bytes]:
+            for number, raw in enumerate(lines, start=1):
+                tapped[0] = (number, raw)
+                yield raw
+
+        seen: dict[str, int] = {}
+        with open(name, "rb") as f:
+            for item in iter_request_lines(tap(f), path=name):
+                number, raw = tapped[0]
+                if number != item.line:  # iter_request_lines yields each line's item before reading on
+                    raise AssertionError(f"request line {item.line} read as line {number}")
+                canonical = canonical_line(raw, first=number == 1)
+                who = item.custom_id if item.custom_id is not None else "\x00" + canonical.hex()
+                occurrence = seen.get(who, 0)
+                seen[who] = occurrence + 1
+                default = default_max_tokens if isinstance(item, Request) and item.max_tokens is None else None
+                yield item, request_hash(canonical, occurrence, default)
+
+    return generate()

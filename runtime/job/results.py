@@ -7,8 +7,16 @@ finishes, and one per failed request in an errors file beside it.
 - Formats: "moecc" (custom_id, text, token_ids, finish_reason, usage) or "openai" (the
   Batch API's output lines: id, custom_id, response {status_code, request_id, body}, error;
   a chat.completion or text_completion body for successes, an error body for failures).
-- Resume: `scan_done` reads what an earlier run of the job already wrote, after cutting a
-  torn last line (a run killed mid-write) back to the last complete one.
+- Identity: every result and error line, in both formats, carries the job that wrote it,
+  `"moecc": {"plan": <16 hex>, "request": <16 hex>}`: the plan's identity (`plan_identity`)
+  and the request's hash (requests.request_hash: its line's canonical JSON, its custom_id's
+  occurrence, the default max_tokens when it matters).
+- Resume (`resume_scan`): refuses files that another plan (or another program) wrote; a
+  result stands while its custom_id's request is unchanged, an error record while the input
+  holds its exact request (errors are keyed by custom_id and request hash, never by line
+  number). Results of changed requests, error records that no longer match a request, and
+  corrupt lines are moved, verbatim, to `<file>.replaced.jsonl` beside each file (nothing is
+  lost); a torn last line (a run killed mid-write) is cut.
 """
 
 from __future__ import annotations
@@ -16,34 +24,247 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from moecc_runtime.job.lock import JobIdentityError
+
 FORMATS = ("moecc", "openai")
+IDENTITY_KEY = "moecc"
+#: Plan fields that record the compile run, not what the job computes: the planner's
+#: predictions and predicted step timeline, and the prose on why host memory is sized as it
+#: is (it quotes the memory free at compile time).
+#: plan fields that do not change what a job computes: predictions, the memory accounting, and
+#: the KV pool's size (sized by the memory free at compile when --host-mem is unset)
+RUN_ONLY_FIELDS: tuple[tuple[str, ...], ...] = (("predicted",), ("timeline",), ("memory",),
+                                                 ("batch", "kv", "num_blocks"))
+_WHAT_TO_DO = ("resume with the plan that started this job, or give a new -o (and --errors) file, or drop "
+               "--resume and pass --overwrite to start over; nothing was changed")
 
 
 def _digest(*parts: str) -> str:
     return hashlib.sha256("\x00".join(parts).encode("utf-8")).hexdigest()[:24]
 
 
-def error_key(record: dict[str, Any]) -> str:
-    """What identifies a failed request across runs of the same input: its line (a duplicate
-    custom_id's error must not stand for the first, valid request), else its custom_id."""
-    line = (record.get("error") or {}).get("line")
-    if line is not None:
-        return f"line:{line}"
-    return f"id:{record.get('custom_id')}"
+def plan_identity(plan: dict[str, Any], model_dir: str | Path | None = None) -> str:
+    """16 hex digits naming what a job on this plan computes: sha256 of the plan's canonical
+    JSON (sorted keys, tensors by dtype, shape and values) without RUN_ONLY_FIELDS, with
+    `model.dir` the resolved checkpoint directory the job reads (`model_dir`, exec's --model;
+    default the plan's): the fingerprint records a checkpoint's layout, not its weights, so
+    two fine-tunes of one base differ only there. Guarantees: recompiling the same
+    checkpoint with the same options gives the same identity; another checkpoint, budget or
+    batch gives another."""
+    content = _without(plan, RUN_ONLY_FIELDS)
+    if isinstance(content.get("model"), dict):
+        where = model_dir if model_dir is not None else content["model"].get("dir", "")
+        content["model"] = {**content["model"], "dir": str(Path(str(where)).resolve())}
+    text = json.dumps(content, sort_keys=True, default=_plain)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _without(d: dict[str, Any], paths: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
+    """A copy of `d` without the fields at `paths` (copied only along those paths)."""
+    out = dict(d)
+    for path in paths:
+        if len(path) == 1:
+            out.pop(path[0], None)
+        elif isinstance(out.get(path[0]), dict):
+            out[path[0]] = _without(out[path[0]], (path[1:],))
+    return out
+
+
+def _plain(x: Any) -> Any:
+    if hasattr(x, "tolist") and hasattr(x, "dtype"):  # a tensor: its values, exactly
+        return {"dtype": str(x.dtype), "shape": list(getattr(x, "shape", ())), "values": x.tolist()}
+    return str(x)
+
+
+def error_key(custom_id: str | None, request: str) -> str:
+    """What identifies a failed request across runs: its custom_id and its request hash
+    (which counts the custom_id's occurrence: a duplicate's error never stands for the first,
+    valid request); a line whose custom_id could not be read, by its hash alone."""
+    return f"{custom_id if custom_id is not None else ''}\x00{request}"
+
+
+@dataclass
+class InputKeys:
+    """The job's input as resume needs it: each custom_id's first request hash, and the
+    error_key of every line."""
+
+    first: dict[str, str] = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, lines: Iterable[tuple[str | None, str]]) -> InputKeys:
+        """From (custom_id or None, request hash) per input line, in file order."""
+        out = cls()
+        for cid, request in lines:
+            if cid is not None:
+                out.first.setdefault(cid, request)
+            out.keys.add(error_key(cid, request))
+        return out
 
 
 @dataclass
 class Done:
-    """What an earlier run of this job wrote: custom_ids with a result, failures by error_key."""
+    """What an earlier run of this job wrote that still stands, and what resume changed."""
 
-    results: set[str] = field(default_factory=set)
-    errors: set[str] = field(default_factory=set)
+    results: dict[str, str] = field(default_factory=dict)  # custom_id -> request hash of its result
+    errors: set[str] = field(default_factory=set)  # error_key of failures that stand
     repaired: list[str] = field(default_factory=list)  # files whose torn last line was cut
+    changed: int = 0  # result lines moved aside: their request changed since
+    retried: int = 0  # error lines moved aside: their request was fixed, changed or removed since
+    corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (file, line, why): unreadable, moved aside
+    replaced: dict[str, str] = field(default_factory=dict)  # file -> the side file its lines went to
+
+
+@dataclass
+class Scan:
+    """One file of an earlier run, read without changing it."""
+
+    path: Path
+    kind: str  # "output" | "errors"
+    results: dict[str, str] = field(default_factory=dict)
+    errors: set[str] = field(default_factory=set)
+    moved: dict[int, str] = field(default_factory=dict)  # 1-based line -> "changed" | why it is corrupt
+    torn: bool = False
+
+
+def replaced_path(path: Path) -> Path:
+    """Where resume moves the lines it takes out of `path`: `<path>.replaced.jsonl`."""
+    return path.with_name(path.name + ".replaced.jsonl")
+
+
+def resume_scan(output: Path, errors: Path | None, plan: str, inputs: InputKeys) -> Done:
+    """Needs: the locks on `output` and `errors` (lock.open_job_files). Does: reads both
+    files whole first (refusing, with JobIdentityError naming file, line and both plan
+    identities, any line another plan or program wrote: then nothing is changed), then moves
+    aside what no longer stands (see the module docstring) and cuts torn last lines.
+    Guarantees: the files then hold only lines of this job that stand, each moved line is in
+    its side file first; the caller must reopen its handles (the files may be replaced)."""
+    scans = [scan_file(output, "output", plan, inputs)]
+    if errors is not None:
+        scans.append(scan_file(errors, "errors", plan, inputs))
+    done = Done()
+    for scan in scans:
+        if scan.moved:
+            side = replaced_path(scan.path)
+            move_aside(scan.path, scan.moved, side)
+            done.replaced[str(scan.path)] = str(side)
+            if scan.torn:
+                done.repaired.append(str(scan.path))
+        elif scan.torn and repair_torn_tail(scan.path):
+            done.repaired.append(str(scan.path))
+        done.results.update(scan.results)
+        done.errors |= scan.errors
+        changed = sum(1 for why in scan.moved.values() if why == "changed")
+        if scan.kind == "output":
+            done.changed += changed
+        else:
+            done.retried += changed
+        done.corrupt += [(str(scan.path), n, why) for n, why in scan.moved.items() if why != "changed"]
+    return done
+
+
+def scan_file(path: Path, kind: str, plan: str, inputs: InputKeys) -> Scan:
+    """What stands in one file of an earlier run and what moves aside; JobIdentityError for
+    a line of another job. Reads only."""
+    scan = Scan(path, kind)
+    if not path.is_file():
+        return scan
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.endswith(b"\n"):
+                scan.torn = True  # the last line, cut short by a kill mid-write
+                break
+            if not raw.strip():
+                continue
+            record, why = _record(raw, kind)
+            if record is None:
+                scan.moved[number] = why
+                continue
+            request = _request_of(record, path, number, plan)
+            cid = record["custom_id"]
+            if kind == "output":
+                if inputs.first.get(cid, request) != request:
+                    scan.moved[number] = "changed"
+                else:
+                    scan.results[cid] = request
+            elif error_key(cid, request) in inputs.keys:
+                scan.errors.add(error_key(cid, request))
+            else:
+                scan.moved[number] = "changed"
+    return scan
+
+
+def _record(raw: bytes, kind: str) -> tuple[dict[str, Any] | None, str]:
+    """A line as a result (custom_id a string) or error record (custom_id a string or null),
+    or None and why it is neither."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None, "not valid JSON"
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) and not (kind == "errors" and "custom_id" in obj and cid is None):
+        return None, "no custom_id"
+    return obj, ""
+
+
+def _request_of(record: dict[str, Any], path: Path, number: int, plan: str) -> str:
+    """The request hash a line records; JobIdentityError if another plan, or something that
+    is not moecc exec, wrote it."""
+    ident = record.get(IDENTITY_KEY)
+    if not (isinstance(ident, dict) and isinstance(ident.get("plan"), str) and isinstance(ident.get("request"), str)):
+        raise JobIdentityError(
+            f"{path}:{number}: this line carries no moecc job identity (no \"{IDENTITY_KEY}\": {{\"plan\", "
+            f"\"request\"}} key): another program, or an older moecc, wrote it, so --resume cannot tell it belongs "
+            f"to this job (plan {plan}); {_WHAT_TO_DO}")
+    if ident["plan"] != plan:
+        raise JobIdentityError(
+            f"{path}:{number}: written by plan {ident['plan']}, but this job's plan is {plan}: --resume "
+            f"continues a job only with the plan that wrote its files; {_WHAT_TO_DO}")
+    return ident["request"]
+
+
+def move_aside(path: Path, lines: Collection[int], side: Path) -> None:
+    """Needs: the lock on `path`. Does: appends lines `lines` (1-based) of `path`, verbatim,
+    to `side`, then replaces `path` by a copy without them and without a torn last line.
+    Guarantees: `side` is fsync'ed before the replace, so every moved line is on disk in one
+    of the two files at every instant; `path` is always the old or the new whole file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(path, "rb") as src, open(side, "ab") as aside, open(tmp, "wb") as new:
+            for number, raw in enumerate(src, start=1):
+                if not raw.endswith(b"\n"):
+                    break  # a torn last line: cut
+                (aside if number in lines else new).write(raw)
+            for f in (aside, new):
+                f.flush()
+                os.fsync(f.fileno())
+        shutil.copymode(path, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def repair_torn_tail(path: Path) -> bool:
@@ -73,80 +294,42 @@ def repair_torn_tail(path: Path) -> bool:
         return True
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if not path.is_file():
-        return out
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue  # not ours; never fatal
-            if isinstance(obj, dict):
-                out.append(obj)
-    return out
-
-
-def scan_done(output: Path, errors: Path | None) -> Done:
-    """custom_ids already in `output` and failures already in `errors` (torn tails cut first)."""
-    done = Done()
-    for p in (output, errors):
-        if p is not None and repair_torn_tail(p):
-            done.repaired.append(str(p))
-    for rec in _read_jsonl(output):
-        cid = rec.get("custom_id")
-        if isinstance(cid, str):
-            done.results.add(cid)
-    if errors is not None:
-        for rec in _read_jsonl(errors):
-            done.errors.add(error_key(_plain_error(rec)))
-    return done
-
-
-def _plain_error(rec: dict[str, Any]) -> dict[str, Any]:
-    """An errors-file line in either format, as {custom_id, error: {line, ...}}."""
-    if "response" in rec:  # openai format: the line number rides in the error body
-        body = ((rec.get("response") or {}).get("body") or {}).get("error") or {}
-        return {"custom_id": rec.get("custom_id"), "error": {"line": body.get("line")}}
-    return rec
-
-
 class ResultWriter:
-    """Appends result and error lines in one of FORMATS; see the module docstring."""
+    """Appends result and error lines in one of FORMATS, each with the job's identity; see
+    the module docstring. The files are the caller's (lock.JobFiles opens and closes them)."""
 
-    def __init__(self, output: IO[str], errors_path: Path | None, fmt: str = "moecc", *, model: str = "",
-                 sync_every: float = 2.0, append_errors: bool = False):
+    def __init__(self, output: IO[str], errors: IO[str] | None, fmt: str = "moecc", *, plan: str, model: str = "",
+                 sync_every: float = 2.0):
         if fmt not in FORMATS:
             raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(FORMATS)}")
         self.out = output
-        self.errors_path = errors_path
+        self.err = errors
         self.fmt = fmt
+        self.plan = plan
         self.model = model
         self.sync_every = sync_every
-        self._err: IO[str] | None = None
-        self._append_errors = append_errors
         self._last_sync = time.monotonic()
         self.created = int(time.time())
 
     # -- lines ------------------------------------------------------------------------------
     def result(self, custom_id: str, api: str, text: str, token_ids: list[int], finish_reason: str,
-               prompt_tokens: int, model: str | None = None) -> None:
+               prompt_tokens: int, model: str | None = None, *, request: str) -> None:
+        """A finished request's line; `request`: its request hash."""
         if self.fmt == "moecc":
             line = {"custom_id": custom_id, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids)}}
         else:
             line = self._openai_result(custom_id, api, text, finish_reason, prompt_tokens, len(token_ids), model)
+        line[IDENTITY_KEY] = {"plan": self.plan, "request": request}
         self._write(self.out, line)
 
-    def error(self, record: dict[str, Any], api: str = "simple") -> None:
-        """`record` = {custom_id, error: {line, field, message}}."""
-        if self.errors_path is None:
+    def error(self, record: dict[str, Any], request: str, api: str = "simple") -> None:
+        """`record` = {custom_id, error: {line, field, message}}; `request`: its request hash."""
+        if self.err is None:
             return
-        if self._err is None:
-            self._err = open(self.errors_path, "a" if self._append_errors else "w", encoding="utf-8")
-        line = record if self.fmt == "moecc" else self._openai_error(record)
-        self._write(self._err, line)
+        line = dict(record) if self.fmt == "moecc" else self._openai_error(record, request)
+        line[IDENTITY_KEY] = {"plan": self.plan, "request": request}
+        self._write(self.err, line)
 
     def _openai_result(self, custom_id: str, api: str, text: str, finish_reason: str, prompt_tokens: int,
                        completion_tokens: int, model: str | None) -> dict[str, Any]:
@@ -167,10 +350,10 @@ class ResultWriter:
         return {"id": f"batch_req_{rid}", "custom_id": custom_id,
                 "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
-    def _openai_error(self, record: dict[str, Any]) -> dict[str, Any]:
+    def _openai_error(self, record: dict[str, Any], request: str) -> dict[str, Any]:
         err = record.get("error") or {}
         cid = record.get("custom_id")
-        rid = _digest("error", str(cid), str(err.get("line")))
+        rid = _digest("error", str(cid), request)
         body = {"error": {"message": err.get("message"), "type": "invalid_request_error", "param": err.get("field"),
                           "code": err.get("code"), "line": err.get("line")}}
         return {"id": f"batch_req_{rid}", "custom_id": cid,
@@ -186,7 +369,7 @@ class ResultWriter:
     # -- durability -------------------------------------------------------------------------
     def sync(self) -> None:
         """fsync both files (a machine crash then loses nothing written before this)."""
-        for f in (self.out, self._err):
+        for f in (self.out, self.err):
             if f is None:
                 continue
             f.flush()
@@ -197,7 +380,5 @@ class ResultWriter:
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
+        """Flush and fsync both files (closing them is the caller's)."""
         self.sync()
-        if self._err is not None:
-            self._err.close()
-            self._err = None
