@@ -7,18 +7,21 @@ Does: one fx trace per decoder layer with role leaves (see roles.py); glue ops b
 `add`/`mul`/`sigmoid`/`linear` nodes, shape-only ops (view, reshape, shape reads) vanish
 because the runtime keeps hidden states flat as [T, H].
 Guarantees: a graph with property "traced"; every node tagged with role, shape, FLOPs per
-token and weight refs by checkpoint tensor name; no weight is materialised.
+token and weight refs by checkpoint tensor name (quantized ones in their stored format);
+no weight is materialised. A quantized checkpoint's graph is its unquantized model's.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
+from typing import Any
 
 import torch
 
 from moecc.frontend.checkpoint import Checkpoint, read_checkpoint
-from moecc.frontend.config import load_config, model_info
+from moecc.frontend.config import load_config, model_info, quantization
 from moecc.frontend.lowering import lower_head, lower_layer, lower_stem
 from moecc.frontend.tracer import trace_layer
 from moecc.frontend.weights import WeightResolver
@@ -30,12 +33,8 @@ def build_graph(model_dir: str | os.PathLike) -> tuple[Graph, Checkpoint]:
     ckpt = read_checkpoint(model_dir)
     config = load_config(ckpt)
     info = model_info(ckpt, config)
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config)
-    resolver = WeightResolver(ckpt, config.model_type, info.dtype)
+    model = build_model(config)
+    resolver = WeightResolver(ckpt, config.model_type, info.dtype, quantization(ckpt))
     g = Graph(info)
     lower_stem(g, model, config, resolver)
     h = "embed"
@@ -45,3 +44,18 @@ def build_graph(model_dir: str | os.PathLike) -> tuple[Graph, Checkpoint]:
     g.properties.add("traced")
     return g, ckpt
 
+
+def build_model(config: Any) -> torch.nn.Module:
+    """needs: a config load_config returned. guarantees: transformers' model of it on the
+    meta device, with the module tree of the unquantized model: a quantization_config is
+    taken off a copy first, so no quantizer can swap nn.Linear for its own modules
+    (transformers 5's from_config applies none; from_pretrained would). The weights'
+    stored formats are the WeightResolver's business, not the graph's."""
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "quantization_config", None) is not None:
+        config = copy.deepcopy(config)
+        del config.quantization_config
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(config)

@@ -4,8 +4,9 @@ against what moecc supports, and the model facts the graph carries (`ModelInfo`)
 Needs: a read checkpoint (moecc/frontend/checkpoint.py).
 Does: `load_config` checks every field moecc reads (type, range, consistency: see
 `check_raw_config` and `check_config`), then lets transformers parse it, and refuses
-unsupported architectures and rope types by name; `model_info` reads sizes, the compute
-dtype (`compute_dtype`), EOS ids, MLA widths.
+unsupported architectures, rope types and quantization methods by name (`quantization`:
+the readers in QUANT_METHODS); `model_info` reads sizes, the compute dtype
+(`compute_dtype`), EOS ids, MLA widths, the quantization.
 Guarantees: plain data only; nothing is traced or built here. A bad config fails with a
 ConfigError (a CheckpointError) naming the file and the field, never a raw exception.
 """
@@ -291,6 +292,7 @@ def load_config(ckpt: Checkpoint):
             f"{ckpt.directory}: architecture {archs[0]} is not supported yet; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    quantization(ckpt)  # refuses a quantization_config moecc cannot read, naming the field
     config = _parse_config(ckpt, path)
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in _STATIC_ROPE:
@@ -315,6 +317,89 @@ def _check_activation(path: str, config: Any) -> None:
                                     f"implement yet; supported: {', '.join(ACTIVATIONS)}")
 
 
+# -- quantized checkpoints -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Quantization:
+    """A checkpoint's `quantization_config` as moecc reads it: weight-only (the runtime
+    dequantizes each weight next to its GEMM; activations stay in the compute dtype).
+
+    `method`: quant_method as config.json spells it; `format`: the runtime's stored format
+    (runtime/formats/) its quantized weights get; `data_dtype`: their stored dtype; `block`:
+    [rows, columns] of one scale block; `skip`: modules_to_not_convert (kept dense)."""
+
+    method: str
+    format: str
+    data_dtype: str
+    block: tuple[int, int]
+    skip: tuple[str, ...] = ()
+
+    def skips(self, name: str) -> bool:
+        """Whether tensor `name` belongs to a module the config keeps unquantized."""
+        module = name.rsplit(".", 1)[0]
+        return any(module == m or module.endswith(f".{m}") or module.startswith(f"{m}.") for m in self.skip)
+
+
+_QUANT = "quantization_config"
+_FP8_FMTS = {"e4m3": "float8_e4m3fn"}  # fmt -> the data dtype (e5m2 is not published for weights)
+
+
+def _fp8_scheme(path: str, q: dict) -> Quantization:
+    """Fine-grained FP8 (DeepSeek-V3/R1, the Qwen3 FP8 releases): e4m3 data, one scale per
+    weight_block_size block, dynamic activation scales (unused: moecc computes W8A16)."""
+    fmt = q.get("fmt", "e4m3")
+    if fmt not in _FP8_FMTS:
+        raise UnsupportedModelError(f"{path}: field '{_QUANT}.fmt' is {_show(fmt)}; moecc reads fp8 weights in "
+                                    f"{', '.join(_FP8_FMTS)} only")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise UnsupportedModelError(f"{path}: field '{_QUANT}.activation_scheme' is {_show(scheme)}; moecc reads "
+                                    f"fp8 checkpoints with dynamic activation scales only (it computes "
+                                    f"weight-only, activations in the compute dtype)")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(_is_int(b) and b >= 1 for b in block)):
+        raise ConfigError(path, f"{_QUANT}.weight_block_size", f"is {_show(block)}; it must be two positive "
+                                                                f"integers [rows, columns], e.g. [128, 128] "
+                                                                f"(per-tensor fp8 scales are not read yet)")
+    return Quantization("fp8", "fp8_block", _FP8_FMTS[fmt], (block[0], block[1]), _skip_list(path, q))
+
+
+def _skip_list(path: str, q: dict) -> tuple[str, ...]:
+    skip = q.get("modules_to_not_convert") or []
+    if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+        raise ConfigError(path, f"{_QUANT}.modules_to_not_convert", f"is {_show(skip)}; it must be a list of "
+                                                                     f"module names (or null)")
+    return tuple(skip)
+
+
+#: quant_method -> its reader (config.json's quantization_config -> Quantization). A method
+#: is supported when it is here and runtime/formats/ materializes its format; mxfp4 (gpt-oss)
+#: goes here next, with runtime/formats/mxfp4.py.
+QUANT_METHODS: dict[str, Callable[[str, dict], Quantization]] = {
+    "fp8": _fp8_scheme,
+}
+
+
+def quantization(ckpt: Checkpoint) -> Quantization | None:
+    """needs: a read checkpoint. guarantees: None for an unquantized config.json, its
+    Quantization when moecc reads the method, else an UnsupportedModelError (a method
+    moecc does not read) or ConfigError (a malformed field) naming config.json, the field
+    and what is supported."""
+    path = f"{ckpt.directory}/config.json"
+    q = ckpt.config.get(_QUANT)
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(path, _QUANT, f"is {_show(q)}; it must be an object with a quant_method (or null)")
+    method = q.get("quant_method")
+    reader = QUANT_METHODS.get(method) if isinstance(method, str) else None
+    if reader is None:
+        raise UnsupportedModelError(
+            f"{path}: field '{_QUANT}.quant_method' is {_show(method)}, which moecc does not read yet; "
+            f"supported: {', '.join(QUANT_METHODS)} (fp8: fine-grained FP8, e4m3 with weight_block_size, as "
+            f"DeepSeek-V3/R1 and the Qwen3 FP8 releases publish it); use a bf16 checkpoint otherwise")
+    return reader(path, q)
+
+
 #: the dtypes a model can compute in (what transformers' dtype="auto" considers floating)
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
 
@@ -325,11 +410,17 @@ def compute_dtype(ckpt: Checkpoint, config: Any) -> str:
     config.json's dtype / torch_dtype, else that of the first floating tensor (by name) of the
     first weight file -- except that weights all of one floating dtype are computed in it
     (read in place; transformers would cast every weight to config's dtype). Weights of
-    another dtype are cast when the runtime reads them (moecc_runtime/memory/weights.py)."""
+    another dtype are cast when the runtime reads them (moecc_runtime/memory/weights.py).
+    A quantized checkpoint (quantization_config) computes in config.json's dtype (bf16 for
+    the FP8 releases; bfloat16 when it names none or a non-floating one), never its stored
+    fp8: the runtime dequantizes into it."""
+    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if ckpt.config.get(_QUANT) is not None:  # quantized: config's dtype (never the stored fp8)
+        name = _dtype_name(configured) if configured is not None else "bfloat16"
+        return name if name in _FLOATS else "bfloat16"
     floats = {loc.dtype for loc in ckpt.tensors.values() if loc.dtype in _FLOATS}
     if len(floats) == 1:
         return floats.pop()
-    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if configured is not None or not floats:
         return _dtype_name(configured)
     first = ckpt.headers[min(ckpt.headers)].tensors
@@ -359,6 +450,9 @@ def model_info(ckpt: Checkpoint, config) -> ModelInfo:
         extra["mla"] = {k: getattr(config, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                                                         "qk_rope_head_dim", "v_head_dim")}
         head_dim = config.qk_rope_head_dim  # the rotary table's width
+    quant = quantization(ckpt)
+    if quant is not None:
+        extra["quantization"] = {"method": quant.method, "format": quant.format, "block": list(quant.block)}
     return ModelInfo(
         architecture=arch,
         model_type=config.model_type,

@@ -3,7 +3,8 @@ plus the stem (embedding, rotary table) and the head (final norm, lm_head).
 
 Needs: a layer's fx trace (tracer.py), the model's facts and a WeightResolver.
 Does: role modules become their op (rmsnorm, attention or MLA, router, experts, mlp,
-linear) with weights by checkpoint tensor name and FLOPs per token; glue becomes
+linear) with weights by checkpoint tensor name (Linear layers' marked `linear`: the only
+weights a quantized checkpoint stores quantized) and FLOPs per token; glue becomes
 add/mul/sigmoid; shape-only ops vanish (rows stay flat as [T, H]).
 Guarantees: nodes appended in execution order; anything else fails with a FrontendError
 or UnsupportedModelError naming the layer and the op.
@@ -172,14 +173,14 @@ def _lower_module(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: t
     if role == "mlp":
         inter = mod.gate_proj.out_features
         g.add(Node(name, "mlp", [tensor_input(args[0], n)], role="mlp", layer=idx, shape=("T", H),
-                   weights={"gate": r.tensor(f"{path}.gate_proj.weight", (inter, H)),
-                            "up": r.tensor(f"{path}.up_proj.weight", (inter, H)),
-                            "down": r.tensor(f"{path}.down_proj.weight", (H, inter))},
+                   weights={"gate": r.tensor(f"{path}.gate_proj.weight", (inter, H), linear=True),
+                            "up": r.tensor(f"{path}.up_proj.weight", (inter, H), linear=True),
+                            "down": r.tensor(f"{path}.down_proj.weight", (H, inter), linear=True)},
                    attrs={"intermediate_size": inter, "act": info.extra["hidden_act"]},
                    flops_per_token=6 * H * inter, source=path))
         return _Ref("node", name)
     if isinstance(mod, nn.Linear):
-        w = {"weight": r.tensor(f"{path}.weight", (mod.out_features, mod.in_features))}
+        w = {"weight": r.tensor(f"{path}.weight", (mod.out_features, mod.in_features), linear=True)}
         if mod.bias is not None:
             w["bias"] = r.tensor(f"{path}.bias", (mod.out_features,))
         g.add(Node(name, "linear", [tensor_input(args[0], n)], role="gate", layer=idx,
@@ -245,7 +246,7 @@ def _lower_mla(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torc
     else:
         lin["q"] = ("q_proj", (nh * qk, H))
     for key, (attr, shape) in lin.items():
-        w[key] = r.tensor(f"{path}.{attr}.weight", shape)
+        w[key] = r.tensor(f"{path}.{attr}.weight", shape, linear=True)
         if getattr(mod, attr).bias is not None:
             w[f"{key}_bias"] = r.tensor(f"{path}.{attr}.bias", (shape[0],))
     w["kv_a_norm"] = r.tensor(f"{path}.kv_a_layernorm.weight", (kl,))
@@ -275,7 +276,7 @@ def _lower_attention(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n
     w = {}
     for key, out_dim, in_dim in (("q", nq * hd, H), ("k", nkv * hd, H), ("v", nkv * hd, H), ("o", H, nq * hd)):
         lin = getattr(mod, f"{key}_proj")
-        w[key] = r.tensor(f"{path}.{key}_proj.weight", (out_dim, in_dim))
+        w[key] = r.tensor(f"{path}.{key}_proj.weight", (out_dim, in_dim), linear=True)
         if lin.bias is not None:
             w[f"{key}_bias"] = r.tensor(f"{path}.{key}_proj.bias", (out_dim,))
     attrs: dict[str, Any] = {"num_heads": nq, "num_kv_heads": nkv, "head_dim": hd,
