@@ -43,6 +43,15 @@ def compile_cmd(
                                     "(NNN_<pass>.svg, the graph drawn; graphviz dot's layout when installed)."),
     print_after: list[str] = typer.Option([], "--print-after", help="Print the graph after PASS (repeatable) or 'all'."),
     verify: bool = typer.Option(False, "--verify", help="Check the graph's well-formedness after every pass."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="Weight-only quantization of a bf16/fp16/fp32 "
+                                           "checkpoint: int8 (per output channel) or int4 (groups of input "
+                                           "channels). The quantized weights are written once beside the plan, "
+                                           "as OUTPUT.weights.safetensors; the checkpoint is not changed."),
+    quantize_group_size: int = typer.Option(128, "--quantize-group-size", help="int4: input channels per scale "
+                                            "and zero point (a row's last group may be partial)."),
+    quantize_scope: str = typer.Option("experts", "--quantize-scope", help="experts: the routed experts only; "
+                                       "all: also attention and dense/shared-expert MLP weights (never "
+                                       "embeddings, norms, routers or lm_head)."),
 ) -> None:
     """Compile MODEL_DIR into a plan for this machine's budgets."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,7 +65,13 @@ def compile_cmd(
     except SizeError as e:
         _fail(str(e))
     from moecc.compiler import compile_model
+    from moecc.quantize import quantize_spec
     from moecc_runtime.plan import save_plan
+
+    try:
+        quantize_spec(quantize, quantize_group_size, quantize_scope)
+    except MoeccError as e:
+        _fail(str(e))
 
     if prompts is not None:
         try:
@@ -72,7 +87,9 @@ def compile_cmd(
                                     output_tokens=output_tokens, max_batch=max_batch, hardware=hardware,
                                     dump_dir=dump_dir,
                                     dump_formats=tuple(f.strip() for f in dump_format.split(",") if f.strip()),
-                                    print_after=set(print_after) or None, verify=verify)
+                                    print_after=set(print_after) or None, verify=verify, quantize=quantize,
+                                    quantize_group_size=quantize_group_size, quantize_scope=quantize_scope,
+                                    output=output, log=lambda line: typer.echo(line, err=True))
     except (MoeccError, ValueError) as e:
         _fail(str(e))
     save_plan(plan, output)
@@ -84,6 +101,10 @@ def compile_cmd(
                f"decode B={d['B']} b_a={d['b_a']} b_e={d['b_e']}; predicted on {pred.get('hardware')}: "
                f"prefill {pred.get('prefill_tokens_per_s', 0):.0f} tok/s, decode "
                f"{pred.get('decode_tokens_per_s', 0):.0f} tok/s (`moecc explain {output}` says why)", err=True)
+    side = plan["model"]["fingerprint"].get("sidecar")
+    if side is not None:
+        typer.echo(f"wrote {output.with_name(side['file'])}: {graph.attrs['quantized']['tensors']} weights as "
+                   f"{side['quantize']['scheme']} ({format_bytes(side['size'])}); keep it beside the plan", err=True)
 
 
 def _workload_from(prompts: Path, model_dir: Path, default_max: int) -> tuple[int, int]:
@@ -168,7 +189,9 @@ def exec_cmd(
     except JobLockError as e:  # nothing was written: the files belong to another run, or collide
         _fail(str(e))
     except (PlanError, WeightError, CopyError, ArenaError, OSError, RuntimeError, ValueError) as e:
-        _fail(f"{e} (results finished before this are in {output or 'stdout'}; rerun with --resume to continue)")
+        wrote = output is None or (output.is_file() and output.stat().st_size > 0)
+        _fail(f"{e}" + (f" (results finished before this are in {output or 'stdout'}; rerun with --resume to "
+                        f"continue)" if wrote else ""))
     typer.echo(f"moecc: {summary.report()}" + (f"; errors in {errors}" if summary.failed and errors else ""),
                err=True)
     eng = summary.engine

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from moecc.frontend.checkpoint import Checkpoint
@@ -26,6 +26,18 @@ class CompileOptions:
     solve_seconds  CP-SAT's time limit per candidate (B, tokens per prefill step)
     checkpoint     the frontend's Checkpoint (emit_plan locates every weight in it); set by
                    the compiler after `build_graph`, None before
+    quantize       None, "int8" or "int4": weight-only quantization at compile (moecc/quantize/;
+                   the pass quantize_weights)
+    quantize_group_size  int4: input channels per scale (default 128; the last group of a
+                   row may be partial)
+    quantize_scope "experts" (routed experts only) or "all" (also attention and dense /
+                   shared-expert MLP matrices)
+    quantize_symmetric  int4: symmetric, no zero points (default False: asymmetric measured
+                   better on the demo model)
+    plan_path      where the plan will be saved (-o): with `quantize`, the quantized weights
+                   are written beside it as plan_path + ".weights.safetensors", the name
+                   the runtime looks for; the plan must then be saved at exactly this path
+    log            progress lines of long steps (quantizing), e.g. to stderr; None: silent
     """
 
     gpu_mem: int | None = None
@@ -37,3 +49,9 @@ class CompileOptions:
     hardware: str | None = None
     solve_seconds: float = 10.0
     checkpoint: "Checkpoint | None" = None
+    quantize: str | None = None
+    quantize_group_size: int = 128
+    quantize_scope: str = "experts"
+    quantize_symmetric: bool = False
+    plan_path: str | None = None
+    log: Callable[[str], None] | None = None

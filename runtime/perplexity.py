@@ -80,7 +80,7 @@ def plan_perplexity(plan_path: str | Path, text_path: str | Path, *, window: int
     from moecc_runtime.plan import check_checkpoint, load_plan
 
     plan = load_plan(plan_path)
-    mdir = check_checkpoint(plan, model_dir)
+    mdir = check_checkpoint(plan, model_dir, plan_path)
     try:
         text = Path(text_path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -88,7 +88,7 @@ def plan_perplexity(plan_path: str | Path, text_path: str | Path, *, window: int
     ids = text_ids(mdir, text)
     if len(ids) < 2:
         raise ValueError(f"{text_path}: holds {len(ids)} token(s); perplexity needs at least 2")
-    engine = Engine(plan, mdir, pick_device(device))
+    engine = Engine(plan, mdir, pick_device(device), plan_path=plan_path)
     try:
         return score(engine, ids, window)
     finally:

@@ -1,6 +1,13 @@
 """Plan files: writing and reading a plan (plain data, `torch.load(weights_only=True)`), and
 checking it against the checkpoint it names. What a plan holds, and the check of every
 field on load, is the schema's: moecc_runtime/plan_schema.py.
+
+A plan compiled with `--quantize` reads its quantized weights from one file beside it, its
+sidecar: the plan's file name + ".weights.safetensors" (sidecar_path). The name is fixed by
+the path the plan is read from, never taken from the plan, so a plan still reads nothing
+outside its checkpoint directory but that one file; manifest entries in it say `root:
+"plan"`, and the fingerprint records its size and header hash (the header's metadata holds
+a digest of its data), which exec checks like the checkpoint's.
 """
 
 from __future__ import annotations
@@ -70,11 +77,30 @@ def fingerprint(model_dir: str | Path, weight_files: list[str],
     }
 
 
-def check_checkpoint(plan: dict[str, Any], model_dir: str | Path | None = None) -> Path:
+#: The quantized weights file of plan P is P's file name + this, in P's directory.
+SIDECAR_SUFFIX = ".weights.safetensors"
+
+
+def sidecar_path(plan_path: str | Path) -> Path:
+    """Where the plan at `plan_path` keeps the weights `moecc compile --quantize` wrote: beside
+    it, named after it (plan.pt -> plan.pt.weights.safetensors). Fixed by the plan's own
+    path: a plan never names a path of its own to read."""
+    p = Path(plan_path)
+    return p.with_name(p.name + SIDECAR_SUFFIX)
+
+
+def has_sidecar(plan: dict[str, Any]) -> bool:
+    """Whether the plan reads weights quantized at compile from its sidecar."""
+    return "sidecar" in plan["model"]["fingerprint"]
+
+
+def check_checkpoint(plan: dict[str, Any], model_dir: str | Path | None = None,
+                     plan_path: str | Path | None = None) -> Path:
     """Refuse a plan whose checkpoint is gone, changed (config, file sizes, tensor layout), or
     lacks weights, or whose manifest names a file outside the checkpoint directory or bytes
-    that are not the tensor slice it says; return the checkpoint directory. Reads headers
-    only, each once."""
+    that are not the tensor slice it says; return the checkpoint directory. A plan with
+    quantized weights (a sidecar) needs `plan_path`, where it was read from: its sidecar
+    must be there, of the size and header it recorded. Reads headers only, each once."""
     d = Path(model_dir or plan["model"]["dir"])
     want = plan["model"]["fingerprint"]
     if not (d / "config.json").is_file():
@@ -99,8 +125,37 @@ def check_checkpoint(plan: dict[str, Any], model_dir: str | Path | None = None) 
         raise PlanError(f"{e}; the checkpoint is damaged or changed since compile") from None
     _agree(d, "the tensor layout (a safetensors header)", want["weight_headers"],
            {f: h.sha256 for f, h in headers.items()})
-    _check_manifest(plan, {f: h.tensors for f, h in headers.items()})
+    sidecar = _check_sidecar(plan, d, plan_path)
+    _check_manifest(plan, {f: h.tensors for f, h in headers.items()}, sidecar)
     return d
+
+
+def _check_sidecar(plan: dict[str, Any], d: Path, plan_path: str | Path | None) -> dict[str, TensorLocation] | None:
+    """The tensors of the plan's sidecar (None: it has none), refused (PlanError naming the
+    file) when missing or not the file the plan recorded (size, header hash)."""
+    want = plan["model"]["fingerprint"].get("sidecar")
+    if want is None:
+        return None
+    if plan_path is None:
+        raise PlanError("the plan reads quantized weights from the file beside it, but it was given without the "
+                        "path it was read from; pass the plan's path (check_checkpoint(..., plan_path=...), "
+                        "Engine(..., plan_path=...))")
+    path = sidecar_path(plan_path)
+    q = want["quantize"]
+    redo = (f"recompile with `moecc compile {d} --quantize {q.get('scheme')} --quantize-group-size "
+            f"{q.get('group_size')} --quantize-scope {q.get('scope')} -o {plan_path}`")
+    if not path.is_file():
+        raise PlanError(f"{path}: the quantized weights of plan {plan_path} are missing (compile writes them "
+                        f"beside the plan, named after it; moved or deleted?); {redo}")
+    try:
+        header = read_header(path) if path.stat().st_size == want["size"] else None
+    except HeaderError as e:
+        raise PlanError(f"{e}; the quantized weights file changed since compile: {redo}") from None
+    if header is None or header.sha256 != want["header_sha256"]:
+        what = "size" if header is None else "tensor layout (its safetensors header)"
+        raise PlanError(f"{path}: the quantized weights file of plan {plan_path} changed since compile (its "
+                        f"{what} differs from what the plan recorded); {redo}")
+    return header.tensors
 
 
 def _agree(d: Path, what: str, want: Any, have: Any) -> None:
@@ -116,18 +171,27 @@ def _plain_name(name: Any, where: str) -> None:
                         f"this plan is not one moecc wrote: recompile it")
 
 
-def _check_manifest(plan: dict[str, Any], headers: dict[str, dict[str, TensorLocation]]) -> None:
-    """Every manifest entry is the slice of its tensor it says: same file, dtype, shape, offset."""
+def _check_manifest(plan: dict[str, Any], headers: dict[str, dict[str, TensorLocation]],
+                    sidecar: dict[str, TensorLocation] | None = None) -> None:
+    """Every manifest entry is the slice of its tensor it says: same file, dtype, shape, offset
+    (an entry with root "plan": in the sidecar, whose tensors are `sidecar`)."""
     for key, entry in plan["weights"].items():
         for part, e in {"data": entry, **entry.get("parts", {})}.items():
-            _check_stored(f"plan.weights[{key!r}]" + ("" if part == "data" else f".parts[{part!r}]"), e, headers)
+            where = f"plan.weights[{key!r}]" + ("" if part == "data" else f".parts[{part!r}]")
+            _check_stored(where, e, headers, sidecar)
 
 
-def _check_stored(where: str, e: dict[str, Any], headers: dict[str, dict[str, TensorLocation]]) -> None:
+def _check_stored(where: str, e: dict[str, Any], headers: dict[str, dict[str, TensorLocation]],
+                  sidecar: dict[str, TensorLocation] | None = None) -> None:
     """One stored tensor slice of the manifest is what it says, in its file's header."""
     if e["file"] is None:
         return
     _plain_name(e["file"], f"{where}.file")
+    if e.get("root") == "plan":
+        if sidecar is None:
+            raise PlanError(f"{where}: names the plan's quantized weights file, but the plan records none "
+                            f"(model.fingerprint.sidecar); this plan is not one moecc wrote: recompile it")
+        headers = {e["file"]: sidecar}
     loc = headers.get(e["file"], {}).get(e["tensor"])
     if loc is None or loc.dtype != e["dtype"]:
         found = "absent" if loc is None else f"of dtype {loc.dtype}"

@@ -12,7 +12,10 @@ the planner's step model, the residency group of a module, the KV geometry of a 
 Version 3 (this one) added each module's `residency_group` and the KV geometry (`layers`,
 `heads`, `key_dim`, `value_dim`) under `batch.kv`, made `batch.kv.block_size` required,
 dropped the unused `output` key, and records each weight file's header hash in the
-fingerprint. Plans of other versions are refused with "recompile".
+fingerprint. Plans of other versions are refused with "recompile". Added within version 3,
+as optional fields (plans without them load as before): weight formats (`WeightEntry.format`
+and its parts) and the sidecar of weights quantized at compile (`Fingerprint.sidecar`,
+`StoredTensor.root`).
 """
 
 # no `from __future__ import annotations`: TypedDict reads NotRequired from live annotations
@@ -72,10 +75,22 @@ def kv_geometry(num_kv_heads: int, head_dim: int, mla: dict[str, Any] | None) ->
 
 
 # -- the schema -----------------------------------------------------------------------------
+class Sidecar(TypedDict):
+    """The quantized weights file `moecc compile --quantize` wrote beside the plan
+    (runtime/plan.py sidecar_path: the plan's file name + ".weights.safetensors", resolved
+    from where the plan is read, never from a path in the plan)."""
+
+    file: str  # its name when compiled (for messages)
+    size: int  # bytes
+    header_sha256: str  # of its safetensors header (tensor layout, and a digest of the data in its metadata)
+    quantize: dict[str, Any]  # scheme, group_size, scope, symmetric: the options that made it
+
+
 class Fingerprint(TypedDict):
     config_sha256: str
     weight_files: dict[str, int]  # file name in the checkpoint dir -> size in bytes
     weight_headers: dict[str, str]  # file name -> sha256 of its safetensors header (the tensor layout)
+    sidecar: NotRequired[Sidecar]  # a plan with weights quantized at compile
 
 
 class ModelInfo(TypedDict):
@@ -164,6 +179,7 @@ class StoredTensor(TypedDict):
     file: str | None  # None: a config-only plan
     offset: int | None  # absolute byte offset in the file
     nbytes: int
+    root: NotRequired[Literal["plan"]]  # "plan": in the plan's sidecar (Fingerprint.sidecar), not the checkpoint
 
 
 class WeightEntry(StoredTensor):

@@ -24,11 +24,12 @@ import pytest
 
 from moecc.compiler import compile_model
 from moecc.errors import MoeccError
+from moecc.passes import PASS_NAMES
 from moecc.sizes import parse_size
 from moecc.testing.checkpoints import write_checkpoint
 from moecc_runtime.plan import PlanError, check_checkpoint, save_plan
 
-PASSES = ("trace", "split_modules", "insert_host_buffers", "insert_transfers", "solve_batch_sizes", "emit_plan")
+PASSES = ("trace", *PASS_NAMES)
 PROVENANCE = re.compile(r"^# (\d{3}) made by pass (\w+) in \d+(?:\.\d+)? ms \((changed|unchanged)\)$")
 RESULT_KEYS = {"custom_id", "text", "token_ids", "finish_reason", "usage", "moecc"}  # moecc: the job identity
 

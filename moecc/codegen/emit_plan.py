@@ -4,8 +4,9 @@ Requires: batch_sizes, transfers.
 Does: one schedule entry per module, in order, with its ops (compute ops, host buffers
 and transfers) naming inputs by value name and weights by manifest key; the weight
 manifest maps each key (<node>.<local>) to file, absolute byte offset, dtype and shape of
-the exact slice (one expert of a fused tensor is an offset, not a copy); the fingerprint
-of the checkpoint; the solved sizes; predicted figures.
+the exact slice (one expert of a fused tensor is an offset, not a copy); weights quantized
+at compile (quantize_weights) name tensors of the plan's sidecar (`root: "plan"`), whose size
+and header hash join the fingerprint of the checkpoint; the solved sizes; predicted figures.
 Guarantees: plan (graph.attrs["plan"], plain data only, loadable with weights_only=True,
 valid against the runtime's schema: each module's residency group, the KV geometry).
 Options: none (reads ctx.options.checkpoint, the frontend's Checkpoint).
@@ -14,11 +15,12 @@ Options: none (reads ctx.options.checkpoint, the frontend's Checkpoint).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from moecc_runtime.memory.safetensors_header import slice_of
+from moecc_runtime.memory.safetensors_header import TensorLocation, read_header, slice_of
 from moecc_runtime.plan_schema import OPS, SCHEMA, SCHEMA_VERSION, SchemaError, residency_group, validate
 
 from moecc.errors import PassError
@@ -56,6 +58,7 @@ class EmitPlan(Pass):
         weight an op reads as a manifest key."""
         manifest: dict[str, dict[str, Any]] = {}
         schedule: list[dict[str, Any]] = []
+        sidecar = _sidecar_tensors(g)
         for n in g.nodes:
             if n.op in ("input", "output"):
                 continue
@@ -68,7 +71,7 @@ class EmitPlan(Pass):
             wkeys = {}
             for local, ref in n.weights.items():
                 key = f"{n.name}.{local}"
-                manifest[key] = _locate(ckpt, ref)
+                manifest[key] = _locate(ckpt, ref, sidecar)
                 wkeys[local] = key
             attrs = {k: v for k, v in n.attrs.items() if k != "inv_freq"}
             if n.op == "fetch_weights" or n.op == "fetch_experts":
@@ -91,7 +94,7 @@ def _plan(g: Graph, ckpt: Any, schedule: list[dict[str, Any]], manifest: dict[st
             "dir": str(ckpt.directory),
             "architecture": g.info.architecture,
             "model_type": g.info.model_type,
-            "fingerprint": ckpt.fingerprint(),
+            "fingerprint": _fingerprint(g, ckpt),
             "info": dataclasses.asdict(g.info),
         },
         "batch": {**batch, "kv": kv},
@@ -111,21 +114,44 @@ def _plan(g: Graph, ckpt: Any, schedule: list[dict[str, Any]], manifest: dict[st
     }
 
 
-def _locate(ckpt: Any, ref: WeightRef) -> dict[str, Any]:
+def _sidecar_tensors(g: Graph) -> dict[str, TensorLocation] | None:
+    """The tensors of the sidecar quantize_weights wrote (read back from its partial file),
+    named as the plan names the file; None without one."""
+    q = g.attrs.get("quantized")
+    if not q or "partial" not in q:
+        return None
+    header = read_header(Path(q["partial"]))
+    return {name: dataclasses.replace(loc, file=q["file"]) for name, loc in header.tensors.items()}
+
+
+def _fingerprint(g: Graph, ckpt: Any) -> dict[str, Any]:
+    """The checkpoint's fingerprint and, with weights quantized at compile, the sidecar's."""
+    fp = ckpt.fingerprint()
+    q = g.attrs.get("quantized")
+    if q and "partial" in q:
+        fp["sidecar"] = {"file": q["file"], "size": q["size"], "header_sha256": q["header_sha256"],
+                         "quantize": {k: q[k] for k in ("scheme", "group_size", "scope", "symmetric")}}
+    return fp
+
+
+def _locate(ckpt: Any, ref: WeightRef, sidecar: dict[str, TensorLocation] | None = None) -> dict[str, Any]:
     """The manifest entry of `ref`: file and absolute byte offset of each stored tensor slice
     it names (no copy is ever made; the runtime checks each against the file's header with
     the same `slice_of`), and for a quantized format its logical shape and facts."""
     stored = ref.stored()
-    entry = _locate_stored(ckpt, stored.pop("data"))
+    entry = _locate_stored(ckpt, stored.pop("data"), sidecar)
     if ref.format != "dense":
         entry.update(format=ref.format, logical_shape=list(ref.shape),
-                     parts={name: _locate_stored(ckpt, p) for name, p in stored.items()},
+                     parts={name: _locate_stored(ckpt, p, sidecar) for name, p in stored.items()},
                      format_attrs=dict(ref.attrs))
     return entry
 
 
-def _locate_stored(ckpt: Any, ref: WeightRef) -> dict[str, Any]:
-    loc = ckpt.tensors.get(ref.tensor)
+def _locate_stored(ckpt: Any, ref: WeightRef, sidecar: dict[str, TensorLocation] | None = None) -> dict[str, Any]:
+    """One stored tensor slice: in the checkpoint, or (a tensor quantize_weights wrote) in the
+    plan's sidecar, `root: "plan"`; file None in a config-only plan."""
+    in_sidecar = sidecar is not None and ref.tensor in sidecar
+    loc = sidecar[ref.tensor] if in_sidecar else ckpt.tensors.get(ref.tensor)  # type: ignore[index]
     entry = {"tensor": ref.tensor, "dtype": ref.dtype, "shape": list(ref.shape),
              "index": ref.index, "rows": list(ref.rows) if ref.rows else None}
     if loc is None:
@@ -133,4 +159,6 @@ def _locate_stored(ckpt: Any, ref: WeightRef) -> dict[str, Any]:
         return entry
     offset, _ = slice_of(loc, ref.index, ref.rows, DTYPE_BYTES[loc.dtype])
     entry.update(file=loc.file, offset=offset, nbytes=ref.nbytes)
+    if in_sidecar:
+        entry["root"] = "plan"
     return entry

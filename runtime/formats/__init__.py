@@ -18,13 +18,15 @@ from typing import Any, Callable
 
 import torch
 
-from moecc_runtime.formats import fp8_block, mxfp4
+from moecc_runtime.formats import fp8_block, int4_group, int8_channel, mxfp4
 
 #: format name -> materialize(stored tensors by part name, entry, compute dtype) -> weight
 Materialize = Callable[[dict[str, torch.Tensor], dict[str, Any], torch.dtype], torch.Tensor]
 FORMATS: dict[str, Materialize] = {
     fp8_block.NAME: fp8_block.materialize,
     mxfp4.NAME: mxfp4.materialize,
+    int8_channel.NAME: int8_channel.materialize,
+    int4_group.NAME: int4_group.materialize,
 }
 
 

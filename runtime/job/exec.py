@@ -144,7 +144,7 @@ def run_job(
     otherwise, changing nothing)."""
     wall0 = time.perf_counter()
     plan = load_plan(plan_path)
-    mdir = check_checkpoint(plan, model_dir)
+    mdir = check_checkpoint(plan, model_dir, plan_path)
     _check_runnable(plan, plan_path)
     planned_B = int(plan["batch"]["decode"]["B"])
     if plan.get("arena") and max_batch is not None and max_batch > planned_B:
@@ -174,7 +174,7 @@ def run_job(
     writer = ResultWriter(out_file, files.err, fmt, plan=summary.plan,  # type: ignore[arg-type]
                           model=Path(str(plan["model"]["dir"])).name)
     try:
-        job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens)
+        job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens, plan_path=plan_path)
         runner = _run if ray is None else _run_ray
         return runner(job, mdir, wall0, device=device, max_batch=max_batch, stats_path=stats_path,
                       progress=progress, handle_signals=handle_signals, **({} if ray is None else {"options": ray}))
@@ -234,8 +234,10 @@ class Job:
     errors as they come, the summary and the progress display."""
 
     def __init__(self, plan: dict[str, Any], prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
-                 summary: JobSummary, done: Done, log: IO[str] | None, max_tokens: int):
+                 summary: JobSummary, done: Done, log: IO[str] | None, max_tokens: int,
+                 plan_path: str | Path | None = None):
         self.plan, self.prompts_path, self.writer, self.tok = plan, prompts_path, writer, tok
+        self.plan_path = plan_path  # where the plan was read (its quantized weights, if any, are beside it)
         self.summary, self.done, self.log, self.max_tokens = summary, done, log, max_tokens
         self.apis: dict[str, tuple[str, str | None, tuple[str, ...]]] = {}  # custom_id -> (api, model, stop)
         self.lines: dict[str, int] = {}  # custom_id -> input line
@@ -344,7 +346,8 @@ def _run(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batch: i
     prog = job.start_progress(requests, progress)
     signals = _Signals(job.log, handle_signals)
     start = time.perf_counter()
-    engine = Engine(job.plan, mdir, pick_device(device), record_steps=stats_path is not None)
+    engine = Engine(job.plan, mdir, pick_device(device), record_steps=stats_path is not None,
+                    plan_path=job.plan_path)
 
     outcome = None
     try:

@@ -47,12 +47,15 @@ def fp32_weight_keys(schedule: list[dict[str, Any]]) -> frozenset[str]:
 
 class WeightStore:
     def __init__(self, manifest: dict[str, dict[str, Any]], model_dir: Path, device: torch.device,
-                 compute_dtype: torch.dtype | None = None, keep: Iterable[str] = ()):
+                 compute_dtype: torch.dtype | None = None, keep: Iterable[str] = (),
+                 sidecar: Path | None = None):
         """needs: the plan's weight manifest and its checkpoint directory. `compute_dtype`:
         floating slices of another dtype are cast to it when read, except the keys in `keep`
-        (None: every slice as stored)."""
+        (None: every slice as stored). `sidecar`: the plan's quantized weights file
+        (plan.sidecar_path of where the plan was read), which entries with root "plan" name."""
         self.manifest = manifest
         self.dir = Path(model_dir)
+        self.sidecar = sidecar
         self.device = device
         self.compute_dtype = compute_dtype
         self.keep = frozenset(keep)
@@ -63,12 +66,22 @@ class WeightStore:
         self._device_parts: dict[str, dict[str, torch.Tensor]] = {}
         self.bytes_fetched = 0
 
-    def _map(self, fname: str) -> mmap.mmap:
-        m = self._maps.get(fname)
+    def _path(self, entry: dict[str, Any]) -> Path:
+        """The file a stored tensor entry is in: a plain name inside the checkpoint directory,
+        or (root "plan") the plan's sidecar."""
+        fname = entry["file"]
+        if entry.get("root") == "plan":
+            if self.sidecar is None:
+                raise WeightError(f"weight file {fname!r}: the plan's quantized weights file, but this engine was "
+                                  f"not told where the plan is (Engine(..., plan_path=...))")
+            return self.sidecar
+        if fname != Path(fname).name or fname in ("", ".", ".."):
+            raise WeightError(f"weight file {fname!r}: not a file name inside {self.dir}; refusing to read it")
+        return self.dir / fname
+
+    def _map(self, path: Path) -> mmap.mmap:
+        m = self._maps.get(str(path))
         if m is None:
-            if fname != Path(fname).name or fname in ("", ".", ".."):
-                raise WeightError(f"weight file {fname!r}: not a file name inside {self.dir}; refusing to read it")
-            path = self.dir / fname
             try:
                 with open(path, "rb") as f:
                     # ACCESS_COPY: a private, writable (copy-on-write) view, so torch.frombuffer
@@ -78,7 +91,7 @@ class WeightStore:
                     m.madvise(mmap.MADV_WILLNEED)
             except OSError as e:
                 raise WeightError(f"{path}: cannot map weight file: {e}") from e
-            self._maps[fname] = m
+            self._maps[str(path)] = m
         return m
 
     def host(self, key: str) -> torch.Tensor:
@@ -130,10 +143,11 @@ class WeightStore:
         numel = 1
         for d in entry["shape"]:
             numel *= int(d)
-        m = self._map(entry["file"])
+        path = self._path(entry)
+        m = self._map(path)
         if entry["offset"] + entry["nbytes"] > len(m):
             raise WeightError(
-                f"{self.dir / entry['file']}: tensor {entry['tensor']} lies past the end of the file "
+                f"{path}: tensor {entry['tensor']} lies past the end of the file "
                 f"(offset {entry['offset']} + {entry['nbytes']} bytes > {len(m)}); the checkpoint is "
                 f"truncated or changed since compile"
             )

@@ -32,6 +32,7 @@ from moecc_runtime.memory.copy_engine import CopyEngine
 from moecc_runtime.memory.kv import KVGeometry, KVPool
 from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
+from moecc_runtime.plan import has_sidecar, sidecar_path
 from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
 from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS
 from moecc_runtime.worker import kernels
@@ -59,15 +60,17 @@ class Worker:
 
     def __init__(self, plan: dict[str, Any], model_dir: Path, device: torch.device | str = "cpu", *,
                  expert_chunk: int | None = None, attn_micro_batch: int | None = None,
-                 kv: KVGeometry | None = None, record_steps: bool = False):
-        """needs: a loaded plan and its checkpoint. `expert_chunk` / `attn_micro_batch`
+                 kv: KVGeometry | None = None, record_steps: bool = False, plan_path: Path | str | None = None):
+        """needs: a loaded plan and its checkpoint (and where the plan was read from, when it has
+        quantized weights beside it: `plan_path`). `expert_chunk` / `attn_micro_batch`
         override the plan's b_e / b_a of both phases; `kv` its KV pool's geometry."""
         self.plan = plan
         self.info = plan["model"]["info"]
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[self.info["dtype"]]
+        sidecar = sidecar_path(plan_path) if plan_path is not None and has_sidecar(plan) else None
         self.store = WeightStore(plan["weights"], model_dir, self.device, compute_dtype=self.dtype,
-                                 keep=fp32_weight_keys(plan["schedule"]))
+                                 keep=fp32_weight_keys(plan["schedule"]), sidecar=sidecar)
         # (b_a, b_e) per phase: a step that is mostly prompt tokens runs with the plan's prefill
         # sizes, any other with its decode sizes (the arena was sized for both)
         self._phase_sizes = {phase: (int(attn_micro_batch or plan["batch"][phase]["b_a"]),
