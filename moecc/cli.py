@@ -232,7 +232,7 @@ def explain_cmd(
     try:
         p = load_plan(plan)
         meas = measured_timeline(measured) if measured is not None else None  # read once, used twice
-        rep = explain(p, prompts, model, measured=meas)
+        rep = explain(p, prompts, model, measured=meas, plan_path=plan)
         if timeline is not None:
             write_timeline(p, timeline, meas, layers or None)
     except (PlanError, OSError, RuntimeError, TimelineError) as e:

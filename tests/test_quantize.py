@@ -337,3 +337,22 @@ def test_int8_channel_dequantizes_within_half_a_step(rows, cols, transpose):
     ref = w.to(torch.bfloat16).float()
     assert ((got - ref).abs() <= stored["scale"][:, None] / 2 * (1 + 1e-5)).all()
     assert torch.equal(got[-1], torch.zeros(cols))
+
+
+def test_explain_and_ray_actors_find_the_sidecar_from_the_plan_path(plans, tmp_path):
+    """`moecc explain --prompts` and the Ray actors (ShardRunner, run here without Ray) read a
+    quantized plan's weights from beside the plan, as exec does."""
+    from moecc.views.explain import explain
+    from moecc_runtime.job.distributed import ShardRunner
+
+    path, plan, _ = plans["int8"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"custom_id": "a", "prompt": "A class definition", "max_tokens": 4}\n')
+    rep = explain(plan, prompts, plan_path=path)
+    experts = rep["weight_formats"]["experts"]
+    assert rep["eta"]["requests"] == 1 and experts["formats"] == {"int8_channel": 4 * 8 * 3}  # layers x experts x 3
+    assert experts["compute_bytes"] / experts["stored_bytes"] > 3.9  # fp32 -> int8 and one scale per row
+    runner = ShardRunner(plan, plan["model"]["dir"], "cpu", None, 1, plan_path=str(path))
+    ids = runner.tok.encode_prompt("A class definition")
+    out = runner.run([{"key": "a", "prompt_ids": ids, "max_tokens": 4}])
+    assert len(out["results"]) == 1 and len(out["results"][0]["token_ids"]) == 4, out

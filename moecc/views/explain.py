@@ -13,7 +13,8 @@ from moecc.sizes import format_bytes
 
 
 def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path | None = None,
-            default_max_tokens: int = 256, measured: dict[str, Any] | None = None) -> dict[str, Any]:
+            default_max_tokens: int = 256, measured: dict[str, Any] | None = None,
+            plan_path: Path | None = None) -> dict[str, Any]:
     """The explain report as plain data (what `--json` prints); with `measured` (the timeline
     of a `moecc exec --stats` file, see measured_timeline) also the predicted-against-measured
     comparison per job kind."""
@@ -40,7 +41,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
         "workload": batch.get("workload"),
     }
     if prompts is not None:
-        out["eta"] = _eta(plan, prompts, model_dir, default_max_tokens, out)
+        out["eta"] = _eta(plan, prompts, model_dir, default_max_tokens, out, plan_path)
     if measured is not None:
         out["measured"] = compare_timelines(plan.get("timeline") or {}, measured)
     return out
@@ -64,10 +65,10 @@ def workload_of(prompts: Path, model_dir: Path, default_max: int) -> dict[str, i
 
 
 def _eta(plan: dict[str, Any], prompts: Path, model_dir: Path | None, default_max: int,
-         rep: dict[str, Any]) -> dict[str, Any]:
+         rep: dict[str, Any], plan_path: Path | None = None) -> dict[str, Any]:
     from moecc_runtime.plan import check_checkpoint
 
-    w = workload_of(prompts, check_checkpoint(plan, model_dir), default_max)
+    w = workload_of(prompts, check_checkpoint(plan, model_dir, plan_path), default_max)
     pre, dec = rep["prefill_tokens_per_s"] or 0, rep["decode_tokens_per_s"] or 0
     seconds = (w["prompt_tokens"] / pre if pre else 0) + (w["max_output_tokens"] / dec if dec else 0)
     return {**w, "seconds": seconds, "note": "upper bound: requests that stop at EOS finish sooner"}

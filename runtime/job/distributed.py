@@ -52,7 +52,8 @@ class RayOptions:
 class ShardRunner:
     """The body of one Ray actor: an engine on the plan, running shards one at a time."""
 
-    def __init__(self, plan: dict[str, Any], model_dir: str, device: str, max_batch: int | None, threads: int):
+    def __init__(self, plan: dict[str, Any], model_dir: str, device: str, max_batch: int | None, threads: int,
+                 plan_path: str | None = None):
         import torch
 
         from moecc_runtime.engine import Engine
@@ -60,7 +61,7 @@ class ShardRunner:
 
         if device == "cpu":
             torch.set_num_threads(max(1, threads))
-        self.engine = Engine(plan, Path(model_dir), torch.device(device))
+        self.engine = Engine(plan, Path(model_dir), torch.device(device), plan_path=plan_path)
         self.tok = Tokenizer(Path(model_dir))
         self.max_batch = max_batch
 
@@ -94,7 +95,9 @@ def run_on_ray(job: Any, requests: list[GenRequest], plan: dict[str, Any], model
     n = len(requests)
     size = options.shard_size or max(1, math.ceil(n / (4 * workers)))
     shards = [requests[i:i + size] for i in range(0, n, size)]
-    pool = _Pool(ray, plan, str(model_dir), device, max_batch, workers, options)
+    plan_path = getattr(job, "plan_path", None)  # its quantized weights, if any, lie beside it
+    pool = _Pool(ray, plan, str(model_dir), device, max_batch, workers, options,
+                 None if plan_path is None else str(Path(plan_path).resolve()))
     todo = list(range(len(shards)))[::-1]  # a stack: pop() takes the lowest index
     inflight: dict[Any, tuple[int, Any]] = pool.inflight  # future -> (shard, actor)
     retried: set[int] = set()
@@ -159,13 +162,13 @@ class _Pool:
     """The actors; a dead one is replaced (up to options.max_restarts times)."""
 
     def __init__(self, ray: Any, plan: dict[str, Any], model_dir: str, device: str, max_batch: int | None,
-                 workers: int, options: RayOptions):
+                 workers: int, options: RayOptions, plan_path: str | None = None):
         self.ray = ray
         cuda = device == "cuda"
         cpus = 0 if cuda else max(1, options.cpus_per_worker)
         self.cls = ray.remote(num_gpus=1 if cuda else 0, num_cpus=cpus, max_restarts=0)(ShardRunner)
         self.plan_ref = ray.put(plan)
-        self.args = (model_dir, device, max_batch, max(1, cpus))
+        self.args = (model_dir, device, max_batch, max(1, cpus), plan_path)
         self.restarts_left = options.max_restarts
         self.actors = [self._new() for _ in range(workers)]
         self.inflight: dict[Any, tuple[int, Any]] = {}  # future -> (shard, actor running it)

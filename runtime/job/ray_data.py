@@ -36,8 +36,8 @@ class MoeccPredictor:
         from moecc_runtime.tokenizer import Tokenizer
 
         self.plan = load_plan(plan)
-        mdir = check_checkpoint(self.plan, model_dir)
-        self.engine = Engine(self.plan, mdir, pick_device(device))
+        mdir = check_checkpoint(self.plan, model_dir, plan)
+        self.engine = Engine(self.plan, mdir, pick_device(device), plan_path=plan)
         self.tok = Tokenizer(mdir)
         self.context = int(self.plan["model"]["info"]["max_position_embeddings"])
         self.max_batch, self.max_tokens, self.column = max_batch, max_tokens, prompt_column
