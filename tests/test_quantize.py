@@ -351,7 +351,7 @@ def test_explain_and_ray_actors_find_the_sidecar_from_the_plan_path(plans, tmp_p
     rep = explain(plan, prompts, plan_path=path)
     experts = rep["weight_formats"]["experts"]
     assert rep["eta"]["requests"] == 1 and experts["formats"] == {"int8_channel": 4 * 8 * 3}  # layers x experts x 3
-    assert experts["compute_bytes"] / experts["stored_bytes"] > 3.9  # fp32 -> int8 and one scale per row
+    assert experts["compute_bytes"] / experts["stored_bytes"] > 3.8  # fp32 -> int8 and an fp32 scale per row
     runner = ShardRunner(plan, plan["model"]["dir"], "cpu", None, 1, plan_path=str(path))
     ids = runner.tok.encode_prompt("A class definition")
     out = runner.run([{"key": "a", "prompt_ids": ids, "max_tokens": 4}])
