@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -325,7 +326,8 @@ class Quantization:
 
     `method`: quant_method as config.json spells it; `format`: the runtime's stored format
     (runtime/formats/) its quantized weights get; `data_dtype`: their stored dtype; `block`:
-    [rows, columns] of one scale block; `skip`: modules_to_not_convert (kept dense)."""
+    [rows, columns] of one scale block (mxfp4: [1, 32] along each stored row); `skip`:
+    modules_to_not_convert (kept dense)."""
 
     method: str
     format: str
@@ -334,12 +336,16 @@ class Quantization:
     skip: tuple[str, ...] = ()
 
     def skips(self, name: str) -> bool:
-        """Whether tensor `name` belongs to a module the config keeps unquantized."""
+        """Whether tensor `name` belongs to a module the config keeps unquantized, matched as
+        transformers' should_convert_module matches modules_to_not_convert: each entry a
+        regex from the start up to a module boundary ("model.layers.*.self_attn" matches
+        "model.layers.3.self_attn"), or a suffix ("lm_head")."""
         module = name.rsplit(".", 1)[0]
-        return any(module == m or module.endswith(f".{m}") or module.startswith(f"{m}.") for m in self.skip)
+        return any(re.match(rf"(?:{m}){_BOUNDARY}", module) or module.endswith(m) for m in self.skip)
 
 
 _QUANT = "quantization_config"
+_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"  # a module-name boundary (transformers' should_convert_module)
 _FP8_FMTS = {"e4m3": "float8_e4m3fn"}  # fmt -> the data dtype (e5m2 is not published for weights)
 
 
@@ -364,19 +370,42 @@ def _fp8_scheme(path: str, q: dict) -> Quantization:
 
 
 def _skip_list(path: str, q: dict) -> tuple[str, ...]:
+    """modules_to_not_convert: module names or patterns (transformers reads them as regexes)."""
     skip = q.get("modules_to_not_convert") or []
+    field = f"{_QUANT}.modules_to_not_convert"
     if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
-        raise ConfigError(path, f"{_QUANT}.modules_to_not_convert", f"is {_show(skip)}; it must be a list of "
-                                                                     f"module names (or null)")
+        raise ConfigError(path, field, f"is {_show(skip)}; it must be a list of module names (or null)")
+    for m in skip:
+        try:
+            re.compile(m)
+        except re.error as e:
+            raise ConfigError(path, field, f"has {_show(m)}, which is not a module name or pattern "
+                                           f"transformers can match ({e}); e.g. \"model.layers.*.self_attn\"") from e
     return tuple(skip)
 
 
+def _mxfp4_scheme(path: str, q: dict) -> Quantization:
+    """MXFP4 as gpt-oss publishes it: the routed experts' weights as E2M1 values in groups of
+    32 along each stored row (the module's input dimension), one E8M0 scale per group
+    (`*_blocks` uint8 [E, R, C/32, 16], `*_scales` uint8 [E, R, C/32]); attention, routers,
+    embeddings and lm_head in bf16 (modules_to_not_convert). `dequantize` (transformers'
+    switch to load it unquantized) changes nothing here: moecc always dequantizes at the GEMM."""
+    flag = q.get("dequantize", False)
+    if not isinstance(flag, bool):
+        raise ConfigError(path, f"{_QUANT}.dequantize", f"is {_show(flag)}; it must be true or false")
+    return Quantization("mxfp4", "mxfp4", "uint8", (1, 32), _skip_list(path, q))
+
+
 #: quant_method -> its reader (config.json's quantization_config -> Quantization). A method
-#: is supported when it is here and runtime/formats/ materializes its format; mxfp4 (gpt-oss)
-#: goes here next, with runtime/formats/mxfp4.py.
+#: is supported when it is here and runtime/formats/ materializes its format.
 QUANT_METHODS: dict[str, Callable[[str, dict], Quantization]] = {
     "fp8": _fp8_scheme,
+    "mxfp4": _mxfp4_scheme,
 }
+#: quant_method -> the model types whose checkpoints publish it (absent: any family)
+QUANT_FAMILIES: dict[str, tuple[str, ...]] = {"mxfp4": ("gpt_oss",)}
+_QUANT_HELP = ("fp8: fine-grained FP8, e4m3 with weight_block_size, as DeepSeek-V3/R1 and the Qwen3 FP8 releases "
+               "publish it; mxfp4: gpt-oss's MXFP4 experts, as gpt-oss-20b/120b publish them")
 
 
 def quantization(ckpt: Checkpoint) -> Quantization | None:
@@ -395,8 +424,13 @@ def quantization(ckpt: Checkpoint) -> Quantization | None:
     if reader is None:
         raise UnsupportedModelError(
             f"{path}: field '{_QUANT}.quant_method' is {_show(method)}, which moecc does not read yet; "
-            f"supported: {', '.join(QUANT_METHODS)} (fp8: fine-grained FP8, e4m3 with weight_block_size, as "
-            f"DeepSeek-V3/R1 and the Qwen3 FP8 releases publish it); use a bf16 checkpoint otherwise")
+            f"supported: {', '.join(QUANT_METHODS)} ({_QUANT_HELP}); use a bf16 checkpoint otherwise")
+    families, model_type = QUANT_FAMILIES.get(method), ckpt.config.get("model_type")
+    if families is not None and model_type not in families:
+        raise UnsupportedModelError(
+            f"{path}: field '{_QUANT}.quant_method' is {_show(method)}, which moecc reads for model_type "
+            f"{' or '.join(families)} only, not {_show(model_type)}; supported: {', '.join(QUANT_METHODS)} "
+            f"({_QUANT_HELP}); use a bf16 checkpoint otherwise")
     return reader(path, q)
 
 
@@ -412,10 +446,10 @@ def compute_dtype(ckpt: Checkpoint, config: Any) -> str:
     (read in place; transformers would cast every weight to config's dtype). Weights of
     another dtype are cast when the runtime reads them (moecc_runtime/memory/weights.py).
     A quantized checkpoint (quantization_config) computes in config.json's dtype (bf16 for
-    the FP8 releases; bfloat16 when it names none or a non-floating one), never its stored
-    fp8: the runtime dequantizes into it."""
+    the FP8 and MXFP4 releases; bfloat16 when it names none or a non-floating one), never its
+    stored fp8 or uint8 blocks: the runtime dequantizes into it."""
     configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if ckpt.config.get(_QUANT) is not None:  # quantized: config's dtype (never the stored fp8)
+    if ckpt.config.get(_QUANT) is not None:  # quantized: config's dtype (never the stored fp8 / uint8)
         name = _dtype_name(configured) if configured is not None else "bfloat16"
         return name if name in _FLOATS else "bfloat16"
     floats = {loc.dtype for loc in ckpt.tensors.values() if loc.dtype in _FLOATS}

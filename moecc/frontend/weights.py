@@ -15,8 +15,17 @@ blocks fall in (runtime/formats/fp8_block.py materializes it). Tensors the relea
 in bf16 (embeddings, norms, routers, lm_head) stay dense. A config-only compile makes the
 same refs from the config (data of the logical shape, fp32 scales).
 
+gpt-oss as published in MXFP4 (quant_method mxfp4): each experts module stores
+`gate_up_proj_blocks` uint8 [E, 2I, H/32, 16] with `gate_up_proj_scales` uint8 [E, 2I, H/32]
+and `down_proj_blocks` [E, H, I/32, 16] with `down_proj_scales` [E, H, I/32] (rows are the
+module's outputs: transformers dequantizes them to [E, 2I, H] and [E, H, I] and transposes
+to its parameters' [E, H, 2I] and [E, I, H]); biases and everything else stay bf16. Each
+expert's weight becomes one "mxfp4" WeightRef (runtime/formats/mxfp4.py) of logical shape
+gate_up [H, 2I] / down [I, H], parts data = blocks[e], scale = scales[e], attrs transpose.
+A config-only compile makes the same refs from the config.
+
 Legend: R, C = rows and columns of a weight; bR, bC = the scale block; E = experts;
-I = expert intermediate size; H = hidden size.
+I = expert intermediate size; H = hidden size; G = groups of 32 along a stored row.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ _PER_EXPERT_NAMES = [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")]
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 _SCALE_DTYPES = ("float32", "bfloat16")
 _SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv; experts.gate_up_proj -> ..._scale_inv
+_MX_GROUP, _MX_BYTES = 32, 16  # MXFP4: values per scale group, bytes per group (two E2M1 a byte)
+_MX_PARTS = ("gate_up", "down")  # the gpt-oss expert weights an MXFP4 release quantizes
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -53,6 +64,13 @@ def fp8_ref(data: WeightRef, scale: WeightRef, block: tuple[int, int], row0: int
     """The fp8_block weight of stored `data` (its logical shape: the data's) and `scale`."""
     return WeightRef(data.tensor, data.shape, data.dtype, index=data.index, rows=data.rows, format="fp8_block",
                      parts=(("data", data), ("scale", scale)), attrs=(("block", block), ("row0", row0)))
+
+
+def mxfp4_ref(data: WeightRef, scale: WeightRef, shape: tuple[int, int]) -> WeightRef:
+    """The mxfp4 weight of one expert's stored `data` [R, G, 16] and `scale` [R, G], read by
+    its module as x @ W: logical `shape` [C, R] (the stored matrix transposed)."""
+    return WeightRef(data.tensor, shape, data.dtype, index=data.index, format="mxfp4",
+                     parts=(("data", data), ("scale", scale)), attrs=(("transpose", True),))
 
 
 class WeightResolver:
@@ -249,30 +267,91 @@ class WeightResolver:
         return out
 
     def experts_with_bias(self, prefix: str, num_experts: int, hidden: int, inter: int) -> dict[str, WeightRef]:
-        """gpt-oss's experts, as transformers writes them and as the bf16 releases publish them:
+        """gpt-oss's experts, as transformers writes them and as the releases publish them:
         per expert gate_up [H, 2I] (x @ gate_up; gate and up interleaved by column), its bias
-        [2I], down [I, H] and its bias [H]; each a dim-0 slice of the fused tensor."""
-        if self.quant is not None:
-            raise UnsupportedModelError(f"{self.ckpt.directory}/config.json: quantization_config "
-                                        f"{self.quant.method} for gpt-oss experts ({prefix}) is not read yet; "
-                                        f"use a bf16 checkpoint")
+        [2I], down [I, H] and its bias [H]; each a dim-0 slice of the fused tensor, or (an
+        MXFP4 release) gate_up and down as mxfp4 refs into `*_blocks` and `*_scales`."""
         shapes = {"gate_up": (hidden, 2 * inter), "gate_up_bias": (2 * inter,), "down": (inter, hidden),
                   "down_bias": (hidden,)}
         names = {"gate_up": f"{prefix}.gate_up_proj", "gate_up_bias": f"{prefix}.gate_up_proj_bias",
                  "down": f"{prefix}.down_proj", "down_bias": f"{prefix}.down_proj_bias"}
+        mx = self._gpt_oss_mxfp4(prefix)
         out: dict[str, WeightRef] = {}
         for part, shape in shapes.items():
-            found = self._find(names[part]) if self.ckpt.has_weights else names[part]
-            if found is None:
-                raise CheckpointError(f"{self.ckpt.directory}: tensor {names[part]} is missing from the checkpoint "
-                                      f"(gpt-oss experts need {', '.join(names.values())}; MXFP4 "
-                                      f"*_blocks/*_scales releases are not read yet: use a bf16 checkpoint)")
-            if self.ckpt.has_weights:
-                self._check_shape(found, (num_experts, *shape))
-            dtype = self.ckpt.tensors[found].dtype if self.ckpt.has_weights else self.dtype
-            for e in range(num_experts):
-                out[f"e{e}.{part}"] = WeightRef(found, shape, dtype, index=e)
+            if mx and part in _MX_PARTS:
+                refs = self._mxfp4_experts(names[part], num_experts, shape)  # type: ignore[arg-type]
+            else:
+                refs = self._dense_experts(names[part], num_experts, shape, names)
+            out.update({f"e{e}.{part}": ref for e, ref in enumerate(refs)})
         return out
+
+    def _gpt_oss_mxfp4(self, prefix: str) -> bool:
+        """Whether the gpt-oss experts at `prefix` are stored as MXFP4: their `*_blocks` are in
+        the checkpoint (config-only: the config's mxfp4 quantization does not skip them).
+        Other quantization methods, and blocks without an mxfp4 quantization_config, are
+        refused naming config.json."""
+        q, blocks = self.quant, f"{prefix}.gate_up_proj_blocks"
+        if q is not None and q.format != "mxfp4":
+            raise UnsupportedModelError(f"{self.ckpt.directory}/config.json: quantization_config {q.method} for "
+                                        f"gpt-oss experts ({prefix}) is not read; gpt-oss is published in bf16 or "
+                                        f"MXFP4 (quant_method mxfp4): use one of those")
+        if not self.ckpt.has_weights:
+            return q is not None and not q.skips(f"{prefix}.gate_up_proj")
+        found = self._find(blocks)
+        if found is not None and q is None:
+            loc = self.ckpt.tensors[found]
+            raise CheckpointError(f"{self.ckpt.directory}/{loc.file}: tensor {found} holds MXFP4 blocks but "
+                                  f"{self.ckpt.directory}/config.json has no quantization_config; add the release's "
+                                  f"(\"quantization_config\": {{\"quant_method\": \"mxfp4\", ...}}) or use a bf16 "
+                                  f"checkpoint")
+        return found is not None
+
+    def _dense_experts(self, name: str, num_experts: int, shape: tuple[int, ...],
+                       names: dict[str, str]) -> list[WeightRef]:
+        """Each expert's dim-0 slice of fused tensor `name` [E, *shape], checked."""
+        found = self._find(name) if self.ckpt.has_weights else name
+        if found is None:
+            raise CheckpointError(f"{self.ckpt.directory}: tensor {name} is missing from the checkpoint "
+                                  f"(gpt-oss experts need {', '.join(names.values())}; an MXFP4 release stores "
+                                  f"gate_up_proj and down_proj as *_blocks and *_scales, with quantization_config "
+                                  f"quant_method mxfp4 in config.json)")
+        if self.ckpt.has_weights:
+            self._check_shape(found, (num_experts, *shape))
+        dtype = self.ckpt.tensors[found].dtype if self.ckpt.has_weights else self.dtype
+        return [WeightRef(found, tuple(shape), dtype, index=e) for e in range(num_experts)]
+
+    def _mxfp4_experts(self, name: str, num_experts: int, shape: tuple[int, int]) -> list[WeightRef]:
+        """Each expert's mxfp4 ref of `name` (`gate_up_proj` / `down_proj`) read as x @ W with W
+        of logical `shape` [C, R]: blocks [E, R, C/32, 16] and scales [E, R, C/32], checked."""
+        (C, R), blocks, scales = shape, f"{name}_blocks", f"{name}_scales"
+        if C % _MX_GROUP:
+            raise CheckpointError(f"{self.ckpt.directory}/config.json: {name} reads {C} inputs per expert (from "
+                                  f"hidden_size / intermediate_size), which MXFP4 cannot group: the input width "
+                                  f"must be a multiple of {_MX_GROUP}")
+        G = C // _MX_GROUP
+        data_shape, scale_shape = (num_experts, R, G, _MX_BYTES), (num_experts, R, G)
+        if self.ckpt.has_weights:
+            self._check_mxfp4(blocks, data_shape, f"{num_experts} experts x {R} rows x {G} groups of "
+                                                  f"{_MX_GROUP} values x {_MX_BYTES} bytes")
+            self._check_mxfp4(scales, scale_shape, f"one E8M0 scale per group of {blocks} of shape "
+                                                   f"{list(self.ckpt.tensors[blocks].shape)}")
+        return [mxfp4_ref(WeightRef(blocks, data_shape[1:], "uint8", index=e),
+                          WeightRef(scales, scale_shape[1:], "uint8", index=e), shape)
+                for e in range(num_experts)]
+
+    def _check_mxfp4(self, name: str, shape: tuple[int, ...], why: str) -> None:
+        """MXFP4 tensor `name`: present, uint8, of `shape` (`why` says what makes it)."""
+        loc = self.ckpt.tensors.get(name)
+        if loc is None:
+            raise CheckpointError(f"{self.ckpt.directory}: tensor {name} is missing from the checkpoint (an MXFP4 "
+                                  f"release stores each experts module's gate_up_proj and down_proj as *_blocks "
+                                  f"and *_scales, both uint8)")
+        where = f"{self.ckpt.directory}/{loc.file}: tensor {name}"
+        if loc.dtype != "uint8":
+            raise CheckpointError(f"{where} is stored as {loc.dtype}; MXFP4 blocks and scales are uint8")
+        if tuple(loc.shape) != shape:
+            raise CheckpointError(f"{where} has shape {list(loc.shape)}, but config.json implies {list(shape)} "
+                                  f"({why})")
 
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         loc = self.ckpt.tensors[name]

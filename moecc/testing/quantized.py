@@ -20,6 +20,16 @@ tokenizer and generation files.
 Guarantees: deterministic; `dequantized_state_dict` gives the exact fp32 products, cast
 to the checkpoint's compute dtype, under the same tensor names (scales dropped).
 
+MXFP4 as gpt-oss publishes it (`write_mxfp4_checkpoint`): each experts module's
+`gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H] (transformers' x @ W layout, gate and up
+interleaved by column) become `*_blocks` uint8 [E, R, C/32, 16] and `*_scales` uint8
+[E, R, C/32] of each expert's matrix transposed to [R, C] = [out, in] ([2I, H], [H, I]), as
+runtime/formats/mxfp4.quantize makes them; biases and everything else stay in the compute
+dtype; config.json gains the release's quantization_config (quant_method mxfp4,
+modules_to_not_convert). Its dequantization is transformers' own
+(`transformers.integrations.mxfp4.convert_moe_packed_tensors`: blocks -> [E, R, C] ->
+transposed to the module's [E, C, R]), named as the unquantized checkpoint names them.
+
 Legend: R, C = rows and columns of a weight; bR, bC = the block; gR, gC = the block grid
 (ceil(R/bR), ceil(C/bC)); E = experts; I = expert intermediate size; H = hidden size.
 """
@@ -35,14 +45,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["FP8_MAX", "QUANTIZATION_CONFIG", "dequantize", "dequantized_state_dict", "quantize",
-           "write_dequantized_checkpoint", "write_fp8_checkpoint"]
+__all__ = ["FP8_MAX", "MXFP4_QUANTIZATION_CONFIG", "QUANTIZATION_CONFIG", "dequantize", "dequantized_state_dict",
+           "quantize", "write_dequantized_checkpoint", "write_fp8_checkpoint", "write_mxfp4_checkpoint"]
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 #: the published block (DeepSeek-V3's config.json); weight_block_size is set per checkpoint
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": [128, 128]}
 SCALE_SUFFIX = "_scale_inv"
+#: gpt-oss-20b/120b's quantization_config as published
+MXFP4_QUANTIZATION_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                        "model.embed_tokens", "lm_head"],
+                             "quant_method": "mxfp4"}
+_MX_FUSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")  # gpt-oss: [E, C, R], x @ W
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Linear weights the releases quantize: attention (MHA and MLA) and MLP / expert projections
 _LINEAR = re.compile(r"\.(q|k|v|o|q_a|q_b|kv_b|gate|up|down)_proj\.weight$|\.kv_a_proj_with_mqa\.weight$"
@@ -138,12 +153,17 @@ def write_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, *, block: tup
             stored[name] = t.float() if any(k in name for k in _KEEP_FP32) else t.to(_DTYPES[dtype])
         else:
             stored[name] = t
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in sorted(stored.items())}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
     cfg.pop("dtype", None)
     cfg.update(torch_dtype=dtype, quantization_config={**QUANTIZATION_CONFIG, "weight_block_size": list(b)})
+    return _write(out, src, stored, cfg)
+
+
+def _write(out: Path, src: Path, tensors: dict[str, torch.Tensor], cfg: dict) -> Path:
+    """One model.safetensors of `tensors`, config.json `cfg`, and `src`'s tokenizer and generation files."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     for f in _COPIED:
         if (src / f).is_file():
@@ -151,10 +171,42 @@ def write_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, *, block: tup
     return out
 
 
-def _block(directory: Path) -> tuple[tuple[int, int], torch.dtype, dict]:
+def write_mxfp4_checkpoint(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16") -> Path:
+    """Write `src_dir` (a gpt_oss write_checkpoint directory; hidden and intermediate sizes
+    multiples of 32) in gpt-oss's published MXFP4 layout to `out_dir` (see the module
+    docstring); `dtype`: the compute dtype (config.json's torch_dtype) of every other
+    tensor. Returns out_dir."""
+    from moecc_runtime.formats import mxfp4
+
+    src = Path(src_dir)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {'|'.join(_DTYPES)}; got {dtype!r}")
+    cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    if cfg.get("model_type") != "gpt_oss":
+        raise ValueError(f"{src}: model_type {cfg.get('model_type')!r}; MXFP4 is gpt-oss's (write it with "
+                         f"write_checkpoint(..., 'gpt_oss'))")
+    stored: dict[str, torch.Tensor] = {}
+    for name, t in _read(src).items():
+        if _MX_FUSED.search(name):  # [E, C, R] -> per expert [R, C] -> blocks [R, C/32, 16], scales [R, C/32]
+            packed = [mxfp4.quantize(w.t().float()) for w in t]
+            stored[name + "_blocks"] = torch.stack([b for b, _ in packed])  # [E, R, C/32, 16]
+            stored[name + "_scales"] = torch.stack([s for _, s in packed])  # [E, R, C/32]
+        else:
+            stored[name] = t.to(_DTYPES[dtype]) if t.is_floating_point() else t
+    cfg.pop("dtype", None)
+    cfg.update(torch_dtype=dtype, quantization_config=json.loads(json.dumps(MXFP4_QUANTIZATION_CONFIG)))
+    return _write(Path(out_dir), src, stored, cfg)
+
+
+def _config(directory: Path) -> tuple[dict, torch.dtype, dict]:
+    """(quantization_config, the compute dtype, config.json) of a quantized checkpoint."""
     cfg = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    q = cfg["quantization_config"]
-    return (int(q["weight_block_size"][0]), int(q["weight_block_size"][1])), _DTYPES[cfg["torch_dtype"]], cfg
+    return cfg["quantization_config"], _DTYPES[cfg["torch_dtype"]], cfg
+
+
+def _block(directory: Path) -> tuple[tuple[int, int], torch.dtype, dict]:
+    q, dtype, cfg = _config(directory)
+    return (int(q["weight_block_size"][0]), int(q["weight_block_size"][1])), dtype, cfg
 
 
 def _dequantize_stored(name: str, data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -172,11 +224,30 @@ def _dequantize_stored(name: str, data: torch.Tensor, scale: torch.Tensor, block
     return torch.stack(out)
 
 
-def dequantized_state_dict(fp8_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of an FP8 checkpoint as the reference model holds them: each FP8 weight's
-    exact fp32 product with its scales, cast to the compute dtype (config.json's
-    torch_dtype); every other tensor as stored; scales dropped."""
-    d = Path(fp8_dir)
+def _mxfp4_dequantized(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """An MXFP4 checkpoint's tensors with each `X_blocks`/`X_scales` pair replaced by `X` as
+    transformers dequantizes it (convert_moe_packed_tensors, in `dtype`: exact)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            out[base] = convert_moe_packed_tensors(t, tensors[base + "_scales"], dtype=dtype)  # [E, C, R]
+        elif not name.endswith("_scales"):
+            out[name] = t
+    return out
+
+
+def dequantized_state_dict(q_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a quantized checkpoint as the reference model holds them. FP8: each
+    FP8 weight's exact fp32 product with its scales, cast to the compute dtype (config.json's
+    torch_dtype); MXFP4: each experts tensor as transformers dequantizes it, in that dtype;
+    every other tensor as stored; scales dropped."""
+    d = Path(q_dir)
+    q, dtype, _ = _config(d)
+    if q["quant_method"] == "mxfp4":
+        return _mxfp4_dequantized(_read(d), dtype)
     block, dtype, _ = _block(d)
     tensors = _read(d)
     out: dict[str, torch.Tensor] = {}
@@ -190,18 +261,17 @@ def dequantized_state_dict(fp8_dir: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_dequantized_checkpoint(fp8_dir: str | Path, out_dir: str | Path) -> Path:
-    """An unquantized checkpoint of `fp8_dir`'s exactly dequantized weights (config.json
-    without quantization_config): what the reference model loads, with transformers' own
-    FP8 path never involved. Returns out_dir."""
-    src, out = Path(fp8_dir), Path(out_dir)
-    _, _, cfg = _block(src)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in sorted(dequantized_state_dict(src).items())},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
+def write_dequantized_checkpoint(q_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None) -> Path:
+    """An unquantized checkpoint of `q_dir`'s exactly dequantized weights (FP8 or MXFP4;
+    config.json without quantization_config): what the reference model loads, with
+    transformers' own quantized loading never involved. `dtype`: every floating tensor cast
+    to it (e.g. float32, for an fp32 reference of bf16 weights: exact) and recorded as
+    config.json's torch_dtype; None keeps the checkpoint's. Returns out_dir."""
+    src = Path(q_dir)
+    _, _, cfg = _config(src)
+    tensors = dequantized_state_dict(src)
+    if dtype is not None:
+        tensors = {k: v.to(_DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
+        cfg["torch_dtype"] = dtype
     cfg.pop("quantization_config")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    for f in _COPIED:
-        if (src / f).is_file():
-            shutil.copy(src / f, out / f)
-    return out
+    return _write(Path(out_dir), src, tensors, cfg)
