@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import re
 from pathlib import Path
 
 import pytest
@@ -356,3 +357,19 @@ def test_explain_and_ray_actors_find_the_sidecar_from_the_plan_path(plans, tmp_p
     ids = runner.tok.encode_prompt("A class definition")
     out = runner.run([{"key": "a", "prompt_ids": ids, "max_tokens": 4}])
     assert len(out["results"]) == 1 and len(out["results"][0]["token_ids"]) == 4, out
+
+
+def test_deepseek_v3_int4_plans_within_512gb_and_explain_shows_the_formats():
+    """DeepSeek-V3 (1.3 TB in bf16) with --quantize int4 plans within --host-mem 512GB;
+    explain shows the experts' format and the bytes saved."""
+    from moecc.sizes import parse_size
+    from moecc.views.explain import explain, format_explain
+
+    config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "deepseek-v3"
+    plan, _ = compile_model(config, gpu_mem=parse_size("24GB"), host_mem=parse_size("512GB"), hardware="a5000",
+                            prompt_tokens=512, output_tokens=256, quantize="int4")
+    host = plan["memory"]["host"]
+    assert host["weights"] + host["kv_pool"] + host["buffers"] + host["reserve"] <= parse_size("512GB")
+    assert plan["batch"]["decode"]["B"] >= 64
+    text = format_explain(explain(plan))
+    assert re.search(r"experts\s+int4_group x\d+ .*\(3\.[5-9]\dx smaller\)", text), text
