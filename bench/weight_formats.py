@@ -1,0 +1,155 @@
+"""What the stored weight formats buy, measured in one run against the bf16 checkpoint:
+host bytes of the weights, bytes copied per decode step under one tight --gpu-mem, and
+the CPU throughput cost of dequantizing (tok/s of each format against bf16).
+
+    python bench/weight_formats.py                 # Mixtral-shaped bf16, 4 layers, 128 requests
+    python bench/weight_formats.py --json out.json
+
+What it does:
+  1. writes a bf16 Mixtral-shaped checkpoint (moecc.testing.checkpoints, --hidden/--inter,
+     8 experts top-2, 4 layers) and its fine-grained FP8 copy in DeepSeek's published layout
+     (moecc.testing.quantized.write_fp8_checkpoint, 128x128 blocks);
+  2. compiles seven plans at one --gpu-mem (the bf16 plan's stated minimum times --slack):
+     bf16, int8 and int4 (`moecc compile --quantize`, experts only and --quantize-scope all),
+     fp8 (every Linear but the router and head, as published), and bf16 without a budget
+     (every weight read in place);
+  3. runs each plan's `moecc exec --stats` on the same prompts (short prompts, --max-tokens
+     outputs: decode-heavy), and reads the copy bytes and the decode rate (tokens over seconds
+     of the steps without prefill) from the per-step records;
+  4. prints a table and writes JSON. MXFP4 (gpt-oss's experts) is not in this run: it needs
+     a gpt-oss-shaped model; its stored bytes are 0.53 byte per weight (4 bits and one scale
+     byte per 32), as int4's are with its fp32 group scales (4 bits + 4 bytes per 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def moecc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moecc.cli", *args], capture_output=True, text=True)
+
+
+def build(work: Path, hidden: int, inter: int) -> tuple[Path, Path]:
+    from moecc.testing.checkpoints import write_checkpoint
+    from moecc.testing.quantized import write_fp8_checkpoint
+
+    bf16 = write_checkpoint(work / "bf16", "mixtral", dtype="bfloat16", hidden_size=hidden, intermediate_size=inter,
+                            num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, num_attention_heads=8,
+                            num_key_value_heads=2, vocab_size=2048, max_position_embeddings=256,
+                            initializer_range=0.02)
+    fp8 = write_fp8_checkpoint(bf16, work / "fp8", block=(128, 128))
+    return bf16, Path(fp8)
+
+
+def write_prompts(path: Path, n: int, max_tokens: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    words = "the of and a to in is that for it as with was on be by this are from".split()
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
+            f.write(json.dumps({"custom_id": f"r{i}", "prompt": text, "max_tokens": max_tokens}) + "\n")
+
+
+def stated_minimum(model: Path, work: Path, workload: list[str]) -> int:
+    from moecc.sizes import parse_size
+
+    r = moecc("compile", str(model), "--gpu-mem", "1", *workload, "-o", str(work / "refused.pt"))
+    m = re.search(r"use --gpu-mem ([0-9.]+[KMGT]?B) or more", r.stderr)
+    if m is None:
+        raise SystemExit(f"expected a refusal naming the minimum --gpu-mem: {r.stderr}")
+    return parse_size(m.group(1))
+
+
+def run_one(name: str, model: Path, work: Path, prompts: Path, workload: list[str], extra: list[str]) -> dict[str, Any]:
+    """Compile, exec with --stats, and read the figures."""
+    import torch
+
+    plan = work / f"{name}.pt"
+    c = moecc("compile", str(model), *workload, *extra, "-o", str(plan))
+    if c.returncode != 0:
+        raise SystemExit(f"compile {name}: {c.stderr}")
+    p = torch.load(plan, weights_only=True)
+    stats = work / f"{name}.stats.json"
+    x = moecc("exec", str(plan), str(prompts), "-o", str(work / f"{name}.jsonl"), "--overwrite", "--stats", str(stats),
+              "-q")
+    if x.returncode != 0:
+        raise SystemExit(f"exec {name}: {x.stderr[-2000:]}")
+    s = json.loads(stats.read_text())
+    eng = s["engine"]
+    decode = [r for r in eng.get("records") or [] if r["prefill_tokens"] == 0 and r["decode_tokens"] > 0]
+    from moecc.views.explain import weight_formats
+
+    experts = weight_formats(p)["experts"]
+    return {"format": name, "host_weight_bytes": p["memory"]["host"]["weights"],
+            "expert_bytes": experts["stored_bytes"], "expert_formats": experts["formats"],
+            "resident": p["arena"]["resident"] if p.get("arena") else ["all"],
+            "copy_bytes_per_decode_step": median(r["copy_bytes"] for r in decode) if decode else 0,
+            "decode_steps": len(decode),
+            "tokens_per_s": sum(r["decode_tokens"] for r in decode) / max(sum(r["seconds"] for r in decode), 1e-9),
+            "job_tokens_per_s": s["completion_tokens"] / max(s["seconds"], 1e-9),
+            "B": p["batch"]["decode"]["B"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--inter", type=int, default=1536)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--slack", type=float, default=1.1, help="--gpu-mem = bf16's stated minimum x this")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    from moecc.sizes import format_bytes
+
+    workload = ["--prompt-tokens", "12", "--output-tokens", str(a.max_tokens), "--max-batch", "64"]
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(d)
+        bf16, fp8 = build(work, a.hidden, a.inter)
+        prompts = work / "prompts.jsonl"
+        write_prompts(prompts, a.requests, a.max_tokens)
+        gpu = int(stated_minimum(bf16, work, workload) * a.slack)
+        budget = ["--gpu-mem", str(gpu)]
+        rows = [run_one("bf16-in-place", bf16, work, prompts, workload, []),
+                run_one("bf16", bf16, work, prompts, workload, budget),
+                run_one("int8", bf16, work, prompts, workload, budget + ["--quantize", "int8"]),
+                run_one("int4", bf16, work, prompts, workload, budget + ["--quantize", "int4"]),
+                run_one("int8-all", bf16, work, prompts, workload, budget + ["--quantize", "int8",
+                                                                             "--quantize-scope", "all"]),
+                run_one("int4-all", bf16, work, prompts, workload, budget + ["--quantize", "int4",
+                                                                             "--quantize-scope", "all"]),
+                run_one("fp8", fp8, work, prompts, workload, budget)]
+    base = rows[1]
+    print(f"--gpu-mem {format_bytes(gpu)} (bf16's stated minimum x {a.slack}); {a.requests} requests x "
+          f"{a.max_tokens} tokens")
+    print(f"{'format':14s} {'host weights':>12s} {'x smaller':>9s} {'experts x':>9s} {'copied/step':>12s} {'x fewer':>8s} "
+          f"{'decode tok/s':>12s} {'vs bf16':>7s} {'resident':>8s}")
+    for r in rows:
+        hs = base["host_weight_bytes"] / r["host_weight_bytes"]
+        cs = (base["copy_bytes_per_decode_step"] / r["copy_bytes_per_decode_step"]
+              if r["copy_bytes_per_decode_step"] else float("inf"))
+        es = base["expert_bytes"] / r["expert_bytes"]
+        r.update(host_ratio=hs, expert_ratio=es, copy_ratio=cs, speed_ratio=r["tokens_per_s"] / base["tokens_per_s"])
+        print(f"{r['format']:14s} {format_bytes(r['host_weight_bytes']):>12s} {hs:9.2f} {es:9.2f} "
+              f"{format_bytes(r['copy_bytes_per_decode_step']):>12s} {cs:8.2f} {r['tokens_per_s']:12.1f} "
+              f"{r['speed_ratio']:7.2f} {len(r['resident']):8d}")
+    if a.json:
+        a.json.write_text(json.dumps({"bench": "weight_formats", "machine": platform.platform(), "gpu_mem": gpu,
+                                      "hidden": a.hidden, "inter": a.inter, "requests": a.requests,
+                                      "max_tokens": a.max_tokens, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
