@@ -26,3 +26,16 @@ def checkpoints(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`):
+    as fast on tiny matrices, and not slowed tenfold when other processes share the cores;
+    restored after the module."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -63,14 +63,7 @@ _CASES = {  # name -> (family, layout, source seed, scale dtype, compute dtype, 
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread for this module: as fast on these tiny matrices, and not slowed
-    tenfold when other processes share the cores (restored after the module)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest
 
 
 @pytest.fixture(scope="module")

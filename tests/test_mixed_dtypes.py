@@ -13,7 +13,6 @@ bf16 differently; tests/test_equivalence.py does the same)."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -25,19 +24,10 @@ from moecc.frontend.config import compute_dtype, load_config
 from moecc.testing.checkpoints import FAMILY_CLASSES, write_checkpoint
 from moecc_runtime.engine import Engine, generate
 from moecc_runtime.scheduler.sequence import GenRequest
+from test_equivalence import _prompts
 
 NEW_TOKENS = 8
 FP32 = ("norm", "mlp.gate.weight")  # norms and routers kept in fp32, everything else bf16
-
-
-def _prompts(n: int) -> list[str]:
-    words = (Path(__file__).parents[1] / "moecc/testing/corpus.txt").read_text().split()
-    rng = random.Random(1234)
-    out = []
-    for i in range(n):
-        start = rng.randrange(len(words) - 50)
-        out.append(" ".join(words[start:start + 1 + (i * 7) % 37]))
-    return out
 
 
 @pytest.fixture(scope="module")

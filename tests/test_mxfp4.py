@@ -55,14 +55,7 @@ class Case:
     dtype: torch.dtype  # the compute dtype (config.json's torch_dtype)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread for this module (as fast on these tiny matrices, and not slowed
-    when other processes share the cores); restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest
 
 
 @pytest.fixture(scope="module")
