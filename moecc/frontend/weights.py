@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from moecc.errors import CheckpointError, UnsupportedModelError
 from moecc.frontend.checkpoint import Checkpoint
-from moecc.frontend.config import Quantization
+from moecc.frontend.quantization import Quantization
 from moecc.ir import WeightRef
 
 # (module path fragment in transformers 5, fragment in published checkpoints)
