@@ -21,7 +21,7 @@ from moecc.errors import CheckpointError, UnsupportedModelError
 from moecc.frontend.checkpoint import Checkpoint, read_json_object
 from moecc.frontend.config_checks import _check_positive, _check_token_id, _show, check_config, check_raw_config
 from moecc.frontend.quantization import _QUANT, QUANT_METHODS, Quantization, quantization  # noqa: F401 (re-exported)
-from moecc.ir.graph import ModelInfo
+from moecc.ir.graph import FLOAT_DTYPES, ModelInfo
 
 SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                            "OlmoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
@@ -95,9 +95,6 @@ def _check_activation(path: str, config: Any) -> None:
                                     f"implement yet; supported: {', '.join(ACTIVATIONS)}")
 
 
-_FLOATS = ("float64", "float32", "float16", "bfloat16")
-
-
 def compute_dtype(ckpt: Checkpoint, config: Any) -> str:
     """The dtype moecc computes in. needs: the checkpoint and its parsed config.
     guarantees: the dtype `from_pretrained(dir)` (default dtype="auto") loads the model in --
@@ -111,14 +108,14 @@ def compute_dtype(ckpt: Checkpoint, config: Any) -> str:
     configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if ckpt.config.get(_QUANT) is not None:  # quantized: config's dtype (never the stored fp8 / uint8)
         name = _dtype_name(configured) if configured is not None else "bfloat16"
-        return name if name in _FLOATS else "bfloat16"
-    floats = {loc.dtype for loc in ckpt.tensors.values() if loc.dtype in _FLOATS}
+        return name if name in FLOAT_DTYPES else "bfloat16"
+    floats = {loc.dtype for loc in ckpt.tensors.values() if loc.dtype in FLOAT_DTYPES}
     if len(floats) == 1:
         return floats.pop()
     if configured is not None or not floats:
         return _dtype_name(configured)
     first = ckpt.headers[min(ckpt.headers)].tensors
-    return next((first[n].dtype for n in sorted(first) if first[n].dtype in _FLOATS), "float32")
+    return next((first[n].dtype for n in sorted(first) if first[n].dtype in FLOAT_DTYPES), "float32")
 
 
 def _eos_ids(ckpt: Checkpoint, config: Any) -> list[int]:

@@ -3,6 +3,6 @@ well-formedness verifier (`verify.py`) and the text printer (`printer.py`).
 
 Re-exports the public names of `graph.py`, so `from moecc.ir import Graph, Node` works."""
 
-from moecc.ir.graph import DTYPE_BYTES, OPS, TRANSFER_OPS, Graph, ModelInfo, Node, WeightRef
+from moecc.ir.graph import DTYPE_BYTES, FLOAT_DTYPES, OPS, TRANSFER_OPS, Graph, ModelInfo, Node, WeightRef
 
-__all__ = ["DTYPE_BYTES", "OPS", "TRANSFER_OPS", "Graph", "ModelInfo", "Node", "WeightRef"]
+__all__ = ["DTYPE_BYTES", "FLOAT_DTYPES", "OPS", "TRANSFER_OPS", "Graph", "ModelInfo", "Node", "WeightRef"]

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from moecc_runtime.memory.safetensors_header import ITEMSIZE
+from moecc_runtime.memory.safetensors_header import FLOAT_DTYPES, ITEMSIZE  # noqa: F401 (FLOAT_DTYPES re-exported)
 from moecc_runtime.plan_schema import TRANSFER_OPS  # re-exported: the plan schema's transfer ops
 from moecc_runtime.plan_schema import kv_geometry
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moecc.ir import DTYPE_BYTES, Graph
+from moecc.ir import DTYPE_BYTES, FLOAT_DTYPES, Graph
 from moecc_runtime.plan_schema import ALIGN
 
 
-_FLOATS = ("float32", "float16", "bfloat16", "float64")
 #: Bytes a dequantize touches per weight element, as runtime/formats/ do it: the stored value
 #: and its scale widened to fp32 (4 + 4), their product (4) and the compute-dtype result
 #: (itemsize, counted at 4): priced at the profile's measured elementwise rate.
@@ -162,7 +161,7 @@ def model_cost(graph: Graph) -> ModelCost:
     inter = 0
     buffers = 0
     cast = sum(w.numel * itemsize for n in graph.nodes for w in n.weights.values()
-               if w.format == "dense" and w.dtype != info.dtype and w.dtype in _FLOATS)
+               if w.format == "dense" and w.dtype != info.dtype and w.dtype in FLOAT_DTYPES)
     for n in graph.nodes:
         if n.op == "host_buffer":
             buffers += int(n.attrs.get("bytes_per_token", 0))

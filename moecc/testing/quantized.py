@@ -45,10 +45,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moecc_runtime.formats.fp8_block import FP8_MAX, quantize  # the one FP8 quantizer (tests and tools)
+
 __all__ = ["FP8_MAX", "MXFP4_QUANTIZATION_CONFIG", "QUANTIZATION_CONFIG", "dequantize", "dequantized_state_dict",
            "quantize", "write_dequantized_checkpoint", "write_fp8_checkpoint", "write_mxfp4_checkpoint"]
 
-FP8_MAX = 448.0  # the largest float8_e4m3fn value
 #: the published block (DeepSeek-V3's config.json); weight_block_size is set per checkpoint
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": [128, 128]}
@@ -76,20 +77,6 @@ def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int])
     (R, C), (b_r, b_c) = shape, block
     full = scale.float()[:, None, :, None].expand(-1, b_r, -1, b_c)  # [gR, bR, gC, bC]
     return full.reshape(scale.shape[0] * b_r, scale.shape[1] * b_c)[:R, :C]  # [R, C]
-
-
-def quantize(w: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype = torch.float32
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data [R, C] float8_e4m3fn, scale_inv [gR, gC] in `scale_dtype`) of w [R, C]: each
-    block's amax maps to 448 through a scale rounded to `scale_dtype` first."""
-    (R, C), (b_r, b_c) = w.shape, block
-    g_r, g_c = _cdiv(R, b_r), _cdiv(C, b_c)
-    pad = torch.zeros(g_r * b_r, g_c * b_c, dtype=torch.float32)  # [gR*bR, gC*bC]
-    pad[:R, :C] = w.float()
-    amax = pad.view(g_r, b_r, g_c, b_c).abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [gR, gC]
-    scale = (amax / FP8_MAX).to(scale_dtype)  # [gR, gC]
-    q = (w.float() / _expand(scale, (R, C), block)).clamp(-FP8_MAX, FP8_MAX)  # [R, C]
-    return q.to(torch.float8_e4m3fn), scale
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from moecc.ir import DTYPE_BYTES
 from moecc.sizes import format_bytes
 
 
@@ -110,14 +111,11 @@ def format_explain(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
-
 def weight_formats(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per kind of weight (attention, experts, dense: the MoE module's router, norms, shared
     and dense MLPs; head; stem): how many slices each stored format holds, their stored
     bytes, and what they would take in the compute dtype."""
-    itemsize = _ITEMSIZE.get(plan["model"]["info"]["dtype"], 2)
+    itemsize = DTYPE_BYTES.get(plan["model"]["info"]["dtype"], 2)
     out: dict[str, dict[str, Any]] = {}
     for m in plan["schedule"]:
         for op in m["ops"]:

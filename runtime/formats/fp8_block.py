@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 NAME = "fp8_block"
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
 
 def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
@@ -35,16 +36,19 @@ def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: t
     return (data.float() * s).to(dtype)  # [R, C]
 
 
-def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data, scale_inv) of `w` [R, C] in the published layout (for tests and tools): each
-    block's amax maps to FP8 e4m3's largest value, 448."""
+def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128), scale_dtype: torch.dtype = torch.float32
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data [R, C] float8_e4m3fn, scale_inv [ceil(R/bR), ceil(C/bC)] in `scale_dtype`) of
+    `w` [R, C] in the published layout (for tests and tools): each block's amax maps to
+    e4m3's largest value, 448, through a scale rounded to `scale_dtype` first, so data times
+    scale is exactly what dequantizing gives."""
     R, C = w.shape
     b_r, b_c = block
     gr, gc = -(-R // b_r), -(-C // b_c)
-    pad = torch.zeros(gr * b_r, gc * b_c, dtype=torch.float32)
+    pad = torch.zeros(gr * b_r, gc * b_c, dtype=torch.float32)  # [gR*bR, gC*bC]
     pad[:R, :C] = w.float()
-    blocks = pad.view(gr, b_r, gc, b_c)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [gr, gc]
-    scale_inv = amax / 448.0
-    q = (blocks / scale_inv[:, None, :, None]).view(gr * b_r, gc * b_c)[:R, :C]
-    return q.to(torch.float8_e4m3fn), scale_inv
+    amax = pad.view(gr, b_r, gc, b_c).abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [gR, gC]
+    scale = (amax / FP8_MAX).to(scale_dtype)  # [gR, gC]
+    per = scale.float().repeat_interleave(b_r, 0).repeat_interleave(b_c, 1)[:R, :C]  # [R, C]
+    q = (w.float() / per).clamp(-FP8_MAX, FP8_MAX)  # [R, C]
+    return q.to(torch.float8_e4m3fn), scale

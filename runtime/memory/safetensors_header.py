@@ -29,6 +29,8 @@ DTYPES: dict[str, tuple[str, int]] = {
 }
 #: moecc's dtype name -> bytes per element
 ITEMSIZE: dict[str, int] = dict(DTYPES.values())
+#: the floating dtypes a model may compute in (float8 is a stored format, never a compute dtype)
+FLOAT_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 
 
