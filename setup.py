@@ -2,10 +2,13 @@
 
 Every package under `moecc/` ships as itself and every package under `runtime/` as
 `moecc_runtime` (the runtime's import name), found on disk rather than listed by hand, so
-a new subpackage can never be left out of a wheel.
+a new subpackage can never be left out of a wheel. The runtime's host attention kernel is
+the one extension module.
 """
 
-from setuptools import find_packages, setup
+import sys
+
+from setuptools import Extension, find_packages, setup
 
 RUNTIME_DIR, RUNTIME_NAME = "runtime", "moecc_runtime"
 
@@ -13,4 +16,16 @@ packages = find_packages(include=["moecc", "moecc.*"]) + [
     RUNTIME_NAME + name[len(RUNTIME_DIR):] for name in find_packages(include=[RUNTIME_DIR, RUNTIME_DIR + ".*"])
 ]
 
-setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR})
+# The host attention kernel (runtime/native/paged_attention.c): plain C and pthreads, no torch
+# headers, so it builds with any C compiler against any torch; the runtime loads it through
+# ctypes. Optional: without a compiler the install still succeeds and the runtime falls back to
+# attention over gathered KV (`moecc_runtime.native.available()` says which).
+native = Extension(
+    RUNTIME_NAME + ".native._paged_attention",
+    sources=[RUNTIME_DIR + "/native/paged_attention.c"],
+    extra_compile_args=["-O3", "-std=c11"] if sys.platform != "win32" else ["/O2"],
+    libraries=["m"] if sys.platform != "win32" else [],
+    optional=True,
+)
+
+setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR}, ext_modules=[native])

@@ -142,7 +142,7 @@ class GatheredAttention:
         kbuf, vbuf = _store_new(kv, view, k, v, a)
         out = torch.empty((x.shape[0], q.shape[1] * vbuf.shape[-1]), dtype=q.dtype, device=q.device)  # [t, Hq*Dv]
         sinks = w.get("sinks")  # gpt-oss: one extra softmax logit per query head [Hq]
-        _attend_decode(out, q, kbuf, vbuf, view, a, sinks)
+        attend_decode(out, q, kbuf, vbuf, view, a, sinks)
         for p in view.prefill:
             c = p.start + (p.hi - p.lo)  # context after this chunk
             ks = kbuf[:, p.first:p.first + p.nblocks].reshape(kbuf.shape[0], -1, kbuf.shape[-1])[:, :c]  # [Hkv, c, D]
@@ -167,7 +167,7 @@ def _store_new(kv: tuple[torch.Tensor, torch.Tensor], view: KVView, k: torch.Ten
     return kbuf, vbuf
 
 
-def _attend_decode(out: torch.Tensor, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, view: KVView,
+def attend_decode(out: torch.Tensor, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, view: KVView,
                    a: dict, sinks: torch.Tensor | None) -> None:
     """Decoding rows, one batched call per group of sequences spanning the same blocks."""
     Hkv, bs, D, Dv = kbuf.shape[0], kbuf.shape[2], kbuf.shape[-1], vbuf.shape[-1]
@@ -183,4 +183,4 @@ def _attend_decode(out: torch.Tensor, q: torch.Tensor, kbuf: torch.Tensor, vbuf:
             o = kernels.sink_attention(qg.transpose(0, 1)[:, :, :, None], kg.transpose(0, 1)[:, :, None],
                                        vg.transpose(0, 1)[:, :, None], g.mask.to(q.device)[:, None, None, None, :],
                                        a["scaling"], sinks)[:, :, :, 0].transpose(0, 1)
-        out[g.rows.to(q.device)] = o.transpose(0, 1).reshape(g.S, -1)
+        out[g.rows.to(q.device)] = o.transpose(0, 1).reshape(g.S, -1).to(out.dtype)

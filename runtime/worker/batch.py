@@ -29,6 +29,7 @@ class MicroBatch:
     write_blocks: torch.Tensor  # [t] where each row's K/V goes
     write_offsets: torch.Tensor  # [t]
     index: int = 0  # which micro-batch of the step
+    host: bool = False  # attention on the host over the pool in place (worker/host_attention.py)
     views: dict[int | None, KVView] = field(default_factory=dict)  # sliding window -> its KV view
 
 
@@ -69,24 +70,29 @@ class StepBatch:
                    spans, torch.tensor(blk, dtype=torch.long), torch.tensor(off, dtype=torch.long),
                    [c.sid for c in plan.seqs if c.finishes], rows, plan.prefill_tokens, block_size)
 
-    def micro_batches(self, b_a: int, cap_blocks: int | None = None) -> list[MicroBatch]:
-        """Consecutive groups of at most b_a sequences whose KV (full context) fits one KV
-        buffer of `cap_blocks` blocks (None: no limit)."""
+    def micro_batches(self, b_a: int, cap_blocks: int | None = None, host_seqs: int = 0) -> list[MicroBatch]:
+        """Consecutive groups of at most b_a sequences: the first `host_seqs` sequences' groups
+        attend on the host (no KV buffer limit), the others' KV (full context) fits one device
+        KV buffer of `cap_blocks` blocks (None: no limit). Device groups come first in the list
+        (on a GPU they are launched before the host computes its own)."""
+        host_seqs = max(0, min(host_seqs, len(self.seqs)))
+        cuts = [(a, z, True) for a, z in self._cuts(b_a, None, 0, host_seqs)]
+        cuts = [(a, z, False) for a, z in self._cuts(b_a, cap_blocks, host_seqs, len(self.seqs))] + cuts
         mbs = []
-        for j, (a, z) in enumerate(self._cuts(b_a, cap_blocks)):
+        for j, (a, z, host) in enumerate(cuts):
             r0, r1 = self.spans[a][0], self.spans[z - 1][1]
             items = [(c.sid, self.spans[i][0] - r0, c.start, c.n) for i, c in enumerate(self.seqs[a:z], start=a)]
             mbs.append(MicroBatch(r0, r1, items, [c.block_table for c in self.seqs[a:z]], self.blocks[r0:r1],
-                                  self.offsets[r0:r1], j))
+                                  self.offsets[r0:r1], j, host=host))
         return mbs
 
-    def _cuts(self, b_a: int, cap_blocks: int | None) -> list[tuple[int, int]]:
-        """(first, end) sequence index of each micro-batch."""
+    def _cuts(self, b_a: int, cap_blocks: int | None, first: int, end: int) -> list[tuple[int, int]]:
+        """(first, end) sequence index of each micro-batch of sequences first..end-1."""
         bs = self.block_size
-        cuts, a = [], 0
-        while a < len(self.seqs):
+        cuts, a = [], first
+        while a < end:
             z, used = a, 0
-            while z < len(self.seqs) and z - a < b_a:
+            while z < end and z - a < b_a:
                 c = self.seqs[z]
                 need = -(-(c.start + c.n) // bs)
                 if cap_blocks is not None and used + need > cap_blocks:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moecc_runtime.memory.arena import DeviceArena, Region, align
+from moecc_runtime.memory.arena import ArenaError, DeviceArena, Region, align
 from moecc_runtime.memory.copy_engine import CopyEngine
 from moecc_runtime.memory.kv import KVGeometry, KVPool
 from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
@@ -38,9 +38,29 @@ from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.attention import GatheredAttention
 from moecc_runtime.worker.batch import MicroBatch, StepBatch
+from moecc_runtime.worker.host_attention import HostAttention
 from moecc_runtime.worker.stats import EngineStats, account, copy_counters
 from moecc_runtime.worker.timeline import StepTrace, pick_trace
 
+
+
+def host_fractions(plan: dict[str, Any], device: torch.device, force: str | None = None) -> dict[str, float]:
+    """Per phase, the share of a step's sequences whose attention runs on the host: the plan's
+    placement (plan_schema.AttentionPlacement), `force` ("host" / "device") when given; for a
+    plan without one, all of them on a CPU-only machine (the pool is already where the
+    compute is) and none on a GPU."""
+    if force not in (None, "host", "device"):
+        raise ValueError(f"attention placement {force!r}: host or device")
+    out = {}
+    for phase in ("decode", "prefill"):
+        placed = plan["batch"][phase].get("attention")
+        if force is not None:
+            out[phase] = 1.0 if force == "host" else 0.0
+        elif placed is not None:
+            out[phase] = float(placed["host_fraction"])
+        else:
+            out[phase] = 1.0 if device.type == "cpu" else 0.0
+    return out
 
 
 def _next_attention(schedule: list[dict]) -> list[tuple[int, int | None] | None]:
@@ -60,10 +80,12 @@ class Worker:
 
     def __init__(self, plan: dict[str, Any], model_dir: Path, device: torch.device | str = "cpu", *,
                  expert_chunk: int | None = None, attn_micro_batch: int | None = None,
-                 kv: KVGeometry | None = None, record_steps: bool = False, plan_path: Path | str | None = None):
+                 kv: KVGeometry | None = None, record_steps: bool = False, plan_path: Path | str | None = None,
+                 attention: str | None = None):
         """needs: a loaded plan and its checkpoint (and where the plan was read from, when it has
         quantized weights beside it: `plan_path`). `expert_chunk` / `attn_micro_batch`
-        override the plan's b_e / b_a of both phases; `kv` its KV pool's geometry."""
+        override the plan's b_e / b_a of both phases; `kv` its KV pool's geometry; `attention`
+        ("host" / "device") the plan's attention placement of both phases."""
         self.plan = plan
         self.info = plan["model"]["info"]
         self.device = torch.device(device)
@@ -84,6 +106,9 @@ class Worker:
         self._next_attn = _next_attention(self.schedule)
         self.kv = KVPool.of(kv or KVGeometry.from_plan(plan), self.dtype)
         self.attention = GatheredAttention(self.kv)
+        self.host_attention = HostAttention(self.kv)
+        self._host_share = host_fractions(plan, self.device, attention)
+        self._phase = "decode"
         self._host_bufs: dict[str, torch.Tensor] = {}  # host buffer storage by value name, reused
         self.stats = EngineStats(records=[] if record_steps else None)
         self._step_no = 0
@@ -102,14 +127,20 @@ class Worker:
     def _init_arena(self, lay: dict[str, Any]) -> None:
         """Carve the plan's arena: resident weights, dense and expert slots, two KV buffers,
         the staging area for hidden states; start the copy engine."""
-        cap_blocks = max(1, int(lay["kv_buffer_tokens"]) // self.kv.block_size)
-        kv_bytes = KVStaging.region_bytes(self.kv, cap_blocks)
+        cap_blocks = int(lay["kv_buffer_tokens"]) // self.kv.block_size  # 0: attention on the host only
+        kv_bytes = KVStaging.region_bytes(self.kv, cap_blocks) if cap_blocks else 0
         self.arena = DeviceArena(int(lay["bytes"]), self.device)
         self.copy = CopyEngine(self.device)
         copier = Copier(self.device, max(int(lay["dense_slot_bytes"]), int(lay["expert_slot_bytes"]), kv_bytes // 2))
         self.weights = StreamedWeights(self.plan, self.store, self.arena, self.copy, copier)
-        self.kv_staging = KVStaging(self.kv, self.device, self.copy, self.arena.region("kv_buffers", kv_bytes),
-                                    cap_blocks, copier.staging)
+        if cap_blocks:
+            self.kv_staging = KVStaging(self.kv, self.device, self.copy, self.arena.region("kv_buffers", kv_bytes),
+                                        cap_blocks, copier.staging)
+        else:
+            self.kv_staging = KVStaging(self.kv, self.device, cap_blocks=0)
+            if any(f < 1.0 for f in self._host_share.values()):
+                raise ArenaError("device arena: the plan places attention on the device but gives it no KV "
+                                 "buffers (arena.kv_buffer_tokens 0); recompile, or run with attention on the host")
         self.stage = self.arena.region("stage", int(lay["stage_bytes"]))
         self.stats.arena_bytes = self.arena.nbytes
 
@@ -127,6 +158,7 @@ class Worker:
         copy0 = copy_counters(self.copy)
         self._step_no += 1
         self.b_a, self.b_e = self._phase_sizes[plan.phase]
+        self._phase = plan.phase
         trace = None  # the timeline is recorded only with step records on
         if self.stats.records is not None:
             trace = pick_trace(self.stats.timeline.get(plan.phase), plan.phase, self._step_no, b.T, b.prefill_tokens,
@@ -150,7 +182,8 @@ class Worker:
     def _run_schedule(self, b: StepBatch) -> torch.Tensor:
         """Every module in plan order over the step's rows; the head's logits."""
         env: dict[str, torch.Tensor] = {"input_ids": b.input_ids, "positions": b.positions}
-        mbs = b.micro_batches(self.b_a, self.kv_staging.cap_blocks)
+        host_seqs = round(self._host_share[self._phase] * len(b.seqs))
+        mbs = b.micro_batches(self.b_a, self.kv_staging.cap_blocks, host_seqs)
         logits = None
         for index, module in enumerate(self.schedule):
             kind = module["kind"]
@@ -167,21 +200,26 @@ class Worker:
 
     def _run_attention_module(self, index: int, module: dict, env: dict[str, torch.Tensor], b: StepBatch,
                               mbs: list[MicroBatch]) -> None:
-        """Micro-batch by micro-batch; the next micro-batch's KV (after the last one: the next
-        attention layer's first) is gathered while this one computes."""
+        """Micro-batch by micro-batch. Device micro-batches: the next one's KV (after the last
+        one: the next attention layer's first) is gathered while this one computes. Host
+        micro-batches read the pool in place."""
         attn = next(op for op in module["ops"] if op["op"] == "attention")["attrs"]
         layer, window = attn["layer_index"], attn.get("sliding_window")
         nxt = self._next_attn[index]
-        for j, mb in enumerate(mbs):
+        dev = [mb for mb in mbs if not mb.host]
+        for j, mb in enumerate(dev):
             key = (self._step_no, layer, j)
             kv = self.kv_staging.acquire(key, layer, self.attention.blocks(mb, window))
-            if j + 1 < len(mbs):
-                self.kv_staging.submit((self._step_no, layer, j + 1), layer, self.attention.blocks(mbs[j + 1], window))
+            if j + 1 < len(dev):
+                self.kv_staging.submit((self._step_no, layer, j + 1), layer, self.attention.blocks(dev[j + 1], window))
             self._run_module(module, env, b, mb, kv)
             self.kv_staging.release(key)
-        if nxt is not None and mbs:
+        if nxt is not None and dev:
             nlayer, nwindow = nxt
-            self.kv_staging.submit((self._step_no, nlayer, 0), nlayer, self.attention.blocks(mbs[0], nwindow))
+            self.kv_staging.submit((self._step_no, nlayer, 0), nlayer, self.attention.blocks(dev[0], nwindow))
+        for mb in mbs:
+            if mb.host:
+                self._run_module(module, env, b, mb)
 
     def _run_module(self, module: dict, env: dict[str, torch.Tensor], b: StepBatch,
                     mb: MicroBatch | None, kv: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -243,8 +281,12 @@ class Worker:
         if kind == "rmsnorm":
             return kernels.rmsnorm(x[0], self._w(op, "weight"), a["eps"])
         if kind == "attention":
-            assert mb is not None and kv is not None, f"attention node {op['name']} outside an attention module"
-            return self.attention(op, x[0], x[1], mb, kv, {k: self._w(op, k) for k in op["weights"]})
+            assert mb is not None, f"attention node {op['name']} outside an attention module"
+            w = {k: self._w(op, k) for k in op["weights"]}
+            if mb.host:
+                return self.host_attention(op, x[0], x[1], mb, w)
+            assert kv is not None, f"attention node {op['name']}: a device micro-batch without its KV"
+            return self.attention(op, x[0], x[1], mb, kv, w)
         if kind == "router":
             return kernels.route(x[0], self._w(op, "weight"), a,
                                  self._w(op, "bias") if "bias" in op["weights"] else None)

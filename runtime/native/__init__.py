@@ -1,0 +1,81 @@
+"""The runtime's native kernel: paged attention on the host over the KV pool in place
+(paged_attention.c, built at install as the extension `moecc_runtime.native._paged_attention`
+and called through ctypes: no torch headers, so one build serves any torch).
+
+`available()` says whether it was built; `paged_attention(...)` calls it on tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from functools import lru_cache
+
+import torch
+
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_ARGTYPES = [_PTR, _I64, _I64,  # q, row and head strides
+             _PTR, _PTR, _INT,  # k, v, kv dtype
+             _I64, _I64, _I64, _I64, _I64, _I64,  # k head/block/pos strides, v the same
+             _INT, _INT, _INT, _INT, _INT,  # Hkv, G, D, Dv, bs
+             _PTR, _I64, _PTR, _PTR, _PTR, _PTR,  # rows, nrows, tables, table_off, ctx, lo
+             _PTR, _F32,  # sinks, scale
+             _PTR, _I64, _I64, _INT]  # out, row and head strides, threads
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("MOECC_NO_NATIVE"):
+        return None
+    spec = importlib.util.find_spec("moecc_runtime.native._paged_attention")
+    if spec is None or not spec.origin:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    fn = lib.moecc_paged_attention
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """True when the kernel was built at install (and MOECC_NO_NATIVE is unset)."""
+    return _library() is not None
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return available() and dtype in KV_DTYPES
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
+                    table_off: torch.Tensor, ctx: torch.Tensor, lo: torch.Tensor, scale: float,
+                    out: torch.Tensor, sinks: torch.Tensor | None = None, threads: int | None = None) -> None:
+    """out[r] = attention of q[r] over positions lo[r]..ctx[r]-1 of its block table, for every
+    r in `rows`. needs: q [t, Hq, D] fp32 and out [t, Hq, Dv] fp32 with unit last stride,
+    k [Hkv, NB, bs, D] / v [Hkv, NB, bs, Dv] one layer of the pool (fp32 or bf16, unit last
+    stride; latent attention: v a view of k's first Dv elements), tables the concatenated
+    block tables and table_off [t] where row r's starts, ctx / lo [t], rows [n], all int64 on
+    the CPU; sinks [Hq] fp32 or None. Every block a row reads must exist (not checked here:
+    the scheduler's tables are)."""
+    lib = _library()
+    assert lib is not None, "moecc_runtime.native: the paged attention kernel was not built"
+    Hkv, _, bs, D = k.shape
+    Dv = v.shape[-1]
+    Hq = q.shape[1]
+    for name, t in (("q", q), ("out", out), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or t.device.type != "cpu":
+            raise ValueError(f"paged_attention: {name} must be a CPU tensor with a unit last stride")
+    if q.dtype != torch.float32 or out.dtype != torch.float32 or k.dtype != v.dtype or k.dtype not in KV_DTYPES:
+        raise ValueError(f"paged_attention: q/out fp32 and K/V fp32 or bf16, got {q.dtype}, {out.dtype}, {k.dtype}")
+    idx = [t.contiguous() for t in (rows, tables, table_off, ctx, lo)]
+    if any(t.dtype != torch.int64 for t in idx):
+        raise ValueError("paged_attention: rows, tables, table_off, ctx and lo must be int64")
+    sk = sinks.float().contiguous() if sinks is not None else None
+    rc = lib.moecc_paged_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), KV_DTYPES[k.dtype],
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        Hkv, Hq // Hkv, D, Dv, bs, idx[0].data_ptr(), idx[0].numel(), idx[1].data_ptr(), idx[2].data_ptr(),
+        idx[3].data_ptr(), idx[4].data_ptr(), sk.data_ptr() if sk is not None else None, float(scale),
+        out.data_ptr(), out.stride(0), out.stride(1), int(threads or torch.get_num_threads()))
+    if rc != 0:
+        raise MemoryError("paged_attention: the kernel could not allocate its scratch memory")

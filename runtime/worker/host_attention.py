@@ -1,0 +1,148 @@
+"""The host attention backend: attention of one micro-batch on the host CPU, over the paged
+KV pool in place (no per-step gather of whole contexts). Only the micro-batch's queries and
+attention outputs cross between the compute device and the host; its new K/V are stored
+into the pool first.
+
+Legend: t = rows of the micro-batch, Hq / Hkv = query / key-value heads, D / Dv = key /
+value head dim, c = context positions of one sequence, nb = blocks of one sequence.
+
+Decoding rows run in one call of the native kernel (moecc_runtime.native: one work item per
+row and KV head, each key and value read once, threads sharing the items). A prompt chunk
+(a row group of one sequence with n > 1 queries) gathers its own sequence's blocks on the
+host and runs causal SDPA over them: its O(n^2) compute dwarfs reading its context once.
+Without the native kernel (not built, or a K/V dtype it does not read), the decoding rows
+go through the gathered path on the host instead (same numerics as GatheredAttention).
+Multi-head attention (GQA included) and absorbed latent attention (MLA) both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moecc_runtime import native
+from moecc_runtime.memory.kv import KVPool
+from moecc_runtime.worker import kernels
+from moecc_runtime.worker.attention import attend_decode, blocks_needed, kv_view
+from moecc_runtime.worker.batch import MicroBatch
+
+
+@dataclass
+class HostView:
+    """The decoding rows of a micro-batch as the native kernel reads them (one window)."""
+
+    rows: torch.Tensor  # [n] local rows that decode
+    tables: torch.Tensor  # concatenated block tables of those rows
+    table_off: torch.Tensor  # [t] where row r's table starts in `tables`
+    ctx: torch.Tensor  # [t] positions 0..ctx-1 exist
+    lo: torch.Tensor  # [t] first position attended (sliding window)
+    prefill: list[tuple[int, int, int, list[int]]]  # (lo row, hi row, start position, blocks) per prompt chunk
+
+
+def host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
+    """Built once per micro-batch and window (cached beside its KV views)."""
+    key = ("host", window)
+    view = mb.views.get(key)  # type: ignore[call-overload]
+    if view is None:
+        view = mb.views[key] = _build_host_view(mb, window, bs)  # type: ignore[index]
+    return view
+
+
+def _build_host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
+    t = mb.r1 - mb.r0
+    rows: list[int] = []
+    tables: list[int] = []
+    off, ctx, lo = [0] * t, [0] * t, [0] * t
+    prefill = []
+    for idx, (_, row, start, n) in enumerate(mb.items):
+        c = start + n
+        if n > 1:
+            prefill.append((row, row + n, start, mb.tables[idx][:blocks_needed(c, bs)]))
+            continue
+        rows.append(row)
+        off[row], ctx[row] = len(tables), c
+        lo[row] = 0 if window is None else max(0, c - window)
+        tables.extend(mb.tables[idx][:blocks_needed(c, bs)])
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    return HostView(as_long(rows), as_long(tables), as_long(off), as_long(ctx), as_long(lo), prefill)
+
+
+class HostAttention:
+    """Attention on the host over the KV pool in place; q/k/v projections and the output
+    projection run where the compute is (the device, or the host on a CPU-only machine)."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.native = native.supports(pool.k.dtype)
+        self._buf: list[torch.Tensor] = []  # the fallback's growing host gather buffers (K, V)
+
+    def __call__(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch,
+                 w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x [t, H] -> [t, H]; the micro-batch's new K/V are in the pool afterwards."""
+        a = op["attrs"]
+        variant = a.get("variant", "mha")
+        if variant == "mla":
+            q, k, v, finish = kernels.mla_qkv(x, w, a, rope)  # [t, nh, kl+R], [t, 1, kl+R], [t, 1, 0]
+        elif variant == "mha":
+            q, k, v = kernels.attention_qkv(x, w, a, rope)  # [t, Hq, D], [t, Hkv, D] x2
+            finish = None
+        else:
+            raise RuntimeError(f"runtime: attention variant {variant!r} (node {op['name']}) is not "
+                               f"implemented by this runtime")
+        layer = a["layer_index"]
+        self.pool.write(layer, mb.write_blocks, mb.write_offsets, k.to("cpu"), v.to("cpu"))  # kv_store
+        qh = q.to("cpu")  # [t, Hq, D]: only the queries cross
+        out = self._attend(qh, layer, mb, a, w.get("sinks"))  # [t, Hq, Dv] on the host
+        out = out.to(device=x.device, dtype=q.dtype).reshape(x.shape[0], -1)  # [t, Hq*Dv]
+        if finish is not None:
+            return finish(out)
+        return kernels.linear(out, w["o"], w.get("o_bias"))
+
+    def _pools(self, layer: int, a: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K and V pools [Hkv, NB, bs, D|Dv] (latent attention: V is K's latent part)."""
+        k = self.pool.k[layer]
+        v = self.pool.v[layer] if self.pool.v.shape[-1] else k[..., :a["kv_lora_rank"]]
+        return k, v
+
+    def _attend(self, q: torch.Tensor, layer: int, mb: MicroBatch, a: dict,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+        window = a.get("sliding_window")
+        view = host_view(mb, window, self.pool.block_size)
+        kp, vp = self._pools(layer, a)
+        out = torch.empty((q.shape[0], q.shape[1], vp.shape[-1]), dtype=torch.float32)  # [t, Hq, Dv]
+        sinks_h = sinks.to("cpu") if sinks is not None else None
+        if view.rows.numel():
+            if self.native:
+                native.paged_attention(q.float().contiguous(), kp, vp, view.rows, view.tables, view.table_off,
+                                       view.ctx, view.lo, a["scaling"], out, sinks_h)
+            else:
+                self._decode_gathered(q, layer, mb, a, sinks_h, out)
+        for lo, hi, start, blocks in view.prefill:
+            idx = torch.tensor(blocks, dtype=torch.long)
+            c = start + (hi - lo)
+            ks = kp.index_select(1, idx).flatten(1, 2)[:, :c]  # [Hkv, c, D]: this sequence's context
+            vs = vp.index_select(1, idx).flatten(1, 2)[:, :c]
+            o = kernels.attend(q[lo:hi], ks, vs, start, a, sinks_h)  # [n, Hq*Dv]
+            out[lo:hi] = o.view(hi - lo, q.shape[1], -1)
+        return out
+
+    def _decode_gathered(self, q: torch.Tensor, layer: int, mb: MicroBatch, a: dict,
+                         sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+        """The fallback: gather the decoding rows' blocks on the host, then grouped SDPA."""
+        kview = kv_view(mb, a.get("sliding_window"), self.pool.block_size)
+        nb = kview.blocks.numel()
+        hk, hv = self._gather_buffers(layer, nb)
+        self.pool.gather(layer, kview.blocks, hk, hv)
+        kbuf, vbuf = (hk, hk[..., :a["kv_lora_rank"]]) if not hv.shape[-1] else (hk, hv)
+        flat = out.view(out.shape[0], -1)
+        attend_decode(flat, q, kbuf, vbuf, kview, a, sinks)
+
+    def _gather_buffers(self, layer: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.pool.k, self.pool.v
+        shape_k = (k.shape[1], nb, k.shape[3], k.shape[4])
+        shape_v = (v.shape[1], nb, v.shape[3], v.shape[4])
+        nk, nv = shape_k[0] * nb * shape_k[2] * shape_k[3], shape_v[0] * nb * shape_v[2] * shape_v[3]
+        if not self._buf or self._buf[0].numel() < nk or self._buf[1].numel() < nv:
+            self._buf = [torch.empty(int(nk * 1.25) + 1, dtype=k.dtype), torch.empty(int(nv * 1.25) + 1, dtype=k.dtype)]
+        return self._buf[0][:nk].view(shape_k), self._buf[1][:nv].view(shape_v)
