@@ -26,7 +26,7 @@ from typing import Any, Literal, NotRequired, TypedDict, Union
 import torch
 
 SCHEMA = "moecc.plan"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # -- facts both sides share -----------------------------------------------------------------
 #: Every op a plan's schedule may hold, and so every op this runtime implements.
@@ -120,11 +120,22 @@ class ModelSection(TypedDict):
     info: ModelInfo
 
 
+class AttentionPlacement(TypedDict):
+    """Where a phase's attention runs: on the device over KV brought there ("device"), on the
+    host next to the paged KV pool, only the step's queries and outputs crossing ("host"), or
+    the first `host_fraction` of each step's sequences on the host and the rest on the
+    device ("split")."""
+
+    where: Literal["host", "device", "split"]
+    host_fraction: float  # 1.0 for "host", 0.0 for "device"
+
+
 class PhaseSizes(TypedDict):
     B: int  # sequences in flight
     b_a: int  # sequences per attention micro-batch
     b_e: int  # rows per expert chunk
     tokens_per_step: NotRequired[int]  # prefill: prompt tokens per step
+    attention: NotRequired[AttentionPlacement]  # absent (older plans): the runtime's default
 
 
 class KVGeometry(TypedDict):
