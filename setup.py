@@ -23,7 +23,7 @@ packages = find_packages(include=["moecc", "moecc.*"]) + [
 native = Extension(
     RUNTIME_NAME + ".native._paged_attention",
     sources=[RUNTIME_DIR + "/native/paged_attention.c"],
-    extra_compile_args=["-O3", "-std=c11"] if sys.platform != "win32" else ["/O2"],
+    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=fast"] if sys.platform != "win32" else ["/O2"],
     libraries=["m"] if sys.platform != "win32" else [],
     optional=True,
 )

@@ -4,18 +4,22 @@ GEMM roofline of this machine, all measured in one run.
     python bench/throughput.py                      # default: decode-heavy job
     python bench/throughput.py --workload prefill-heavy
     python bench/throughput.py --prompts 256 --output-tokens 32 --skip-hf   # quick look
+    python bench/throughput.py --preset bench768 --prompts 512 --min-prompt 16 --max-prompt 48
+    python bench/throughput.py --workload long-context --prompts 256
 
 What it does:
   1. builds (or reuses) the model: by default a Mixtral-shaped random-weight fp32
      checkpoint (`python -m moecc.testing.checkpoints --preset bench`, 380M parameters,
-     no EOS so every request generates its full max_tokens), or --model DIR;
+     hidden 1024; `--preset bench768`: 200M parameters, hidden 768, 8 layers), no EOS so
+     every request generates its full max_tokens, or --model DIR;
   2. writes a prompts file: --prompts requests of token ids, lengths uniform in
      [--min-prompt, --max-prompt], --output-tokens each (seeded);
   3. measures the GEMM rate at the model's own weight shapes (best over token counts
      256..2048, per shape) before and after the runs; the roofline is the larger rate
      divided into the FLOPs per generated token (every matmul of the active path plus
      attention at the job's mean context);
-  4. compiles a plan and runs `moecc exec ... --stats` in a subprocess, timing it end to
+  4. compiles a plan from the prompts file (`--prompts`: the workload's shape) and runs
+     `moecc exec ... --stats` in a subprocess, timing it end to
      end (plan load, weights, prompts, results written); steady decode is measured from
      the engine's per-step records (steps without prefill, batch at least 90% of its peak);
   5. runs transformers' `generate(do_sample=False)` with static batches (left-padded):
@@ -50,18 +54,20 @@ WORKLOADS = {
     # batches decode to their longest member, moecc refills freed slots
     "mixed-output": {"min_prompt": 16, "max_prompt": 64, "output_tokens": (16, 240)},
     "prefill-heavy": {"min_prompt": 256, "max_prompt": 512, "output_tokens": (16, 16)},
+    # long prompts, a short answer each: attention over long contexts dominates decode
+    "long-context": {"min_prompt": 300, "max_prompt": 600, "output_tokens": (64, 64)},
 }
 
 
 # -- model and workload --------------------------------------------------------------------
 
-def build_model(work: Path) -> Path:
-    out = work / "model-bench"
+def build_model(work: Path, preset: str = "bench") -> Path:
+    out = work / f"model-{preset}"
     if (out / "model.safetensors").exists():
         return out
     from moecc.testing.checkpoints import PRESETS, write_checkpoint
 
-    family, overrides = PRESETS["bench"]
+    family, overrides = PRESETS[preset]
     print(f"building the bench checkpoint in {out} ...", file=sys.stderr)
     return write_checkpoint(out, family, eos_token_id=None, **overrides)
 
@@ -149,10 +155,9 @@ def steady_decode(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in recs if r["prefill_tokens"] == 0 and r["sequences"] >= 0.9 * peak_batch]
 
 
-def run_moecc(model: Path, prompts: Path, work: Path, prompt_tokens: int, out_tokens: int,
-              max_batch: int) -> dict[str, Any]:
+def run_moecc(model: Path, prompts: Path, work: Path, max_batch: int) -> dict[str, Any]:
     plan, s, wall, _ = compile_and_exec(model, prompts, work, "moecc", [
-        "--prompt-tokens", str(prompt_tokens), "--output-tokens", str(out_tokens), "--max-batch", str(max_batch)])
+        "--prompts", str(prompts), "--max-batch", str(max_batch)])
     eng = s["engine"]
     recs = eng["records"]
     peak_batch = max(r["sequences"] for r in recs)
@@ -250,6 +255,7 @@ def run_hf(model_dir: Path, prompts: list[tuple[list[int], int]], batches: list[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: build the bench model)")
+    ap.add_argument("--preset", choices=("bench", "bench768"), default="bench", help="the model to build")
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out", help="where models, plans, results go")
     ap.add_argument("--workload", choices=tuple(WORKLOADS), default="decode-heavy")
     ap.add_argument("--prompts", type=int, default=1024)
@@ -271,14 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     hi = a.max_prompt or w["max_prompt"]
     out_lo, out_hi = (a.output_tokens, a.output_tokens) if a.output_tokens else w["output_tokens"]
     a.work.mkdir(parents=True, exist_ok=True)
-    model = a.model or build_model(a.work)
+    model = a.model or build_model(a.work, a.preset)
     cfg = json.loads((model / "config.json").read_text())
     prompts_path = a.work / "prompts.jsonl"
     prompts = write_prompts(prompts_path, a.prompts, lo, hi, out_lo, out_hi, cfg["vocab_size"], a.seed)
     mean_prompt = sum(len(p) for p, _ in prompts) / len(prompts)
     mean_out = sum(m for _, m in prompts) / len(prompts)
 
-    moecc = run_moecc(model, prompts_path, a.work, round(mean_prompt), round(mean_out), a.max_batch)
+    moecc = run_moecc(model, prompts_path, a.work, a.max_batch)
     from moecc_runtime.plan import load_plan
     from moecc_runtime.memory.weights import TORCH_DTYPES
 

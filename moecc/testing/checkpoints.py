@@ -238,6 +238,24 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             "initializer_range": 0.02,
         },
     ),
+    # The same proportions at hidden 768 over 8 layers (I/H = 1.5, GQA 4:1), 200M parameters:
+    # issue 22's decode-heavy model (more layers, smaller GEMMs than "bench").
+    "bench768": (
+        "mixtral",
+        {
+            "hidden_size": 768,
+            "intermediate_size": 1152,
+            "num_hidden_layers": 8,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 96,
+            "vocab_size": 8192,
+            "max_position_embeddings": 1024,
+            "initializer_range": 0.02,
+        },
+    ),
 }
 
 # Accepted by the config constructors although not stored under the same name.

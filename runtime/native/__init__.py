@@ -62,13 +62,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
     Hkv, _, bs, D = k.shape
     Dv = v.shape[-1]
     Hq = q.shape[1]
-    for name, t in (("q", q), ("out", out), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 or t.device.type != "cpu":
+    for name, x in (("q", q), ("out", out), ("k", k), ("v", v)):
+        if x.stride(-1) != 1 or x.device.type != "cpu":
             raise ValueError(f"paged_attention: {name} must be a CPU tensor with a unit last stride")
     if q.dtype != torch.float32 or out.dtype != torch.float32 or k.dtype != v.dtype or k.dtype not in KV_DTYPES:
         raise ValueError(f"paged_attention: q/out fp32 and K/V fp32 or bf16, got {q.dtype}, {out.dtype}, {k.dtype}")
-    idx = [t.contiguous() for t in (rows, tables, table_off, ctx, lo)]
-    if any(t.dtype != torch.int64 for t in idx):
+    t = q.shape[0]
+    if Hq % Hkv or q.shape[-1] != D or tuple(out.shape) != (t, Hq, Dv) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"paged_attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"out {tuple(out.shape)}: need q [t, Hq, D] with Hq a multiple of Hkv, "
+                         f"k [Hkv, NB, bs, D], v [Hkv, NB, bs, Dv], out [t, Hq, Dv]")
+    if sinks is not None and sinks.numel() != Hq:
+        raise ValueError(f"paged_attention: sinks has {sinks.numel()} values for {Hq} query heads")
+    if any(x.numel() != t for x in (table_off, ctx, lo)):
+        raise ValueError(f"paged_attention: table_off, ctx and lo need one value per query row ({t})")
+    idx = [x.contiguous() for x in (rows, tables, table_off, ctx, lo)]
+    if any(x.dtype != torch.int64 for x in idx):
         raise ValueError("paged_attention: rows, tables, table_off, ctx and lo must be int64")
     sk = sinks.float().contiguous() if sinks is not None else None
     rc = lib.moecc_paged_attention(

@@ -37,7 +37,7 @@ typedef struct {
     int failed;
 } Job;
 
-static inline float bf16_at(const uint16_t *p, int64_t i) {
+static inline __attribute__((always_inline)) float bf16_at(const uint16_t *p, int64_t i) {
     uint32_t bits = ((uint32_t)p[i]) << 16;
     float f;
     memcpy(&f, &bits, 4);
@@ -45,7 +45,7 @@ static inline float bf16_at(const uint16_t *p, int64_t i) {
 }
 
 /* Convert n elements of a K or V vector to fp32 (bf16 widening is exact). */
-static inline void load_vec(float *dst, const void *base, int64_t at, int n, int dtype) {
+static inline __attribute__((always_inline)) void load_vec(float *dst, const void *base, int64_t at, int n, int dtype) {
     if (dtype == 0) {
         memcpy(dst, (const float *)base + at, (size_t)n * 4);
     } else {
@@ -54,26 +54,150 @@ static inline void load_vec(float *dst, const void *base, int64_t at, int n, int
     }
 }
 
-/* 8 independent partial sums: vectorizes without reassociating one sum. */
-static inline float dot(const float *a, const float *b, int n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+/* 8 lanes of fp32 (GCC/Clang vector extension: AVX on the haswell clone, SSE pairs otherwise). */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8 ld8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+static inline __attribute__((always_inline)) void st8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+static inline __attribute__((always_inline)) float hsum8(v8 x) {
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+/* exp of 8 lanes: 2^k * p(r) with x = k ln2 + r, |r| <= ln2/2, p Cephes' degree-6 polynomial
+ * (relative error about 2e-7, like expf's); x below -87.3 gives 0 (the masked / first-block
+ * case), above 88.7 is clamped. */
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8 as_v8(i8 x) { v8 y; memcpy(&y, &x, sizeof y); return y; }
+static inline __attribute__((always_inline)) i8 as_i8(v8 x) { i8 y; memcpy(&y, &x, sizeof y); return y; }
+
+static inline __attribute__((always_inline)) v8 exp8(v8 x) {
+    const v8 hi = {88.72f, 88.72f, 88.72f, 88.72f, 88.72f, 88.72f, 88.72f, 88.72f};
+    const i8 big = x > hi;  /* all ones where x is above the clamp */
+    x = as_v8((as_i8(x) & ~big) | (as_i8(hi) & big));
+    const i8 under = x < -87.33f;  /* all ones where the result underflows */
+    const v8 k = x * 1.44269504088896341f + 0.5f;
+    i8 ki = __builtin_convertvector(k, i8);  /* truncation */
+    ki = ki + (i8)(__builtin_convertvector(ki, v8) > k);  /* floor: -1 where truncation rounded up */
+    const v8 kf = __builtin_convertvector(ki, v8);
+    v8 r = x - kf * 0.693359375f;
+    r = r - kf * -2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const v8 out = p * as_v8((ki + 127) << 23);
+    return as_v8(as_i8(out) & ~under);
+}
+
+/* s[i] = exp(s[i] - mx) for i < n; returns their sum. */
+static inline __attribute__((always_inline)) float exp_sub_sum(float *s, int n, float mx) {
+    v8 acc = {0};
     int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+    for (; i + 8 <= n; i += 8) {
+        const v8 e = exp8(ld8(s + i) - mx);
+        st8(s + i, e);
+        acc += e;
+    }
+    float sum = hsum8(acc);
+    if (i < n) {
+        float t[8] = {0};
+        for (int u = 0; u < n - i; u++) t[u] = s[i + u] - mx;
+        for (int u = n - i; u < 8; u++) t[u] = -INFINITY;
+        const v8 e = exp8(ld8(t));
+        for (int u = 0; u < n - i; u++) { s[i + u] = e[u]; sum += e[u]; }
+    }
+    return sum;
 }
 
-static inline void axpy(float *y, float a, const float *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
+/* s[g * bs + i] = scale * q_g . k_i for g < G, i < n. Four queries at a time share each
+ * load of k (four independent FMA chains); D % 8 elements finish in scalar. */
+static inline __attribute__((always_inline)) void qk_block(float *s, int bs, const float *q, int64_t qs, int G, const float *k, int64_t ks,
+                            int n, int D, float scale) {
+    const int D8 = D & ~7;
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const float *q0 = q + g * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
+        for (int i = 0; i < n; i++) {
+            const float *ki = k + i * ks;
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int d = 0; d < D8; d += 8) {
+                const v8 kv = ld8(ki + d);
+                a0 += ld8(q0 + d) * kv, a1 += ld8(q1 + d) * kv, a2 += ld8(q2 + d) * kv, a3 += ld8(q3 + d) * kv;
+            }
+            float r0 = hsum8(a0), r1 = hsum8(a1), r2 = hsum8(a2), r3 = hsum8(a3);
+            for (int d = D8; d < D; d++) r0 += q0[d] * ki[d], r1 += q1[d] * ki[d], r2 += q2[d] * ki[d], r3 += q3[d] * ki[d];
+            s[(g + 0) * bs + i] = r0 * scale, s[(g + 1) * bs + i] = r1 * scale;
+            s[(g + 2) * bs + i] = r2 * scale, s[(g + 3) * bs + i] = r3 * scale;
+        }
+    }
+    for (; g < G; g++) {
+        const float *qg = q + g * qs;
+        for (int i = 0; i < n; i++) {
+            const float *ki = k + i * ks;
+            v8 a0 = {0}, a1 = {0};
+            int d = 0;
+            for (; d + 16 <= D8; d += 16) a0 += ld8(qg + d) * ld8(ki + d), a1 += ld8(qg + d + 8) * ld8(ki + d + 8);
+            for (; d < D8; d += 8) a0 += ld8(qg + d) * ld8(ki + d);
+            float r = hsum8(a0 + a1);
+            for (d = D8; d < D; d++) r += qg[d] * ki[d];
+            s[g * bs + i] = r * scale;
+        }
+    }
 }
 
-/* One (row, KV head): scratch holds G*bs scores, bs*(D+Dv) converted K/V, G*Dv accumulators. */
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target_clones("arch=haswell", "default")))
-#endif
-static void attend_item(const Job *j, int64_t r, int h, float *scratch) {
+/* acc[g] += sum_i p[g * bs + i] * v_i for g < G: per 8 lanes of Dv, four queries' sums in
+ * registers while the block's values stream past. */
+static inline __attribute__((always_inline)) void pv_block(float *acc, int Dv, const float *p, int bs, int G, const float *v, int64_t vs, int n) {
+    const int D8 = Dv & ~7;
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const float *p0 = p + g * bs, *p1 = p0 + bs, *p2 = p1 + bs, *p3 = p2 + bs;
+        float *c0 = acc + (int64_t)g * Dv, *c1 = c0 + Dv, *c2 = c1 + Dv, *c3 = c2 + Dv;
+        for (int d = 0; d < D8; d += 8) {
+            v8 a0 = ld8(c0 + d), a1 = ld8(c1 + d), a2 = ld8(c2 + d), a3 = ld8(c3 + d);
+            for (int i = 0; i < n; i++) {
+                const v8 x = ld8(v + i * vs + d);
+                a0 += p0[i] * x, a1 += p1[i] * x, a2 += p2[i] * x, a3 += p3[i] * x;
+            }
+            st8(c0 + d, a0), st8(c1 + d, a1), st8(c2 + d, a2), st8(c3 + d, a3);
+        }
+        for (int d = D8; d < Dv; d++)
+            for (int i = 0; i < n; i++) {
+                const float x = v[i * vs + d];
+                c0[d] += p0[i] * x, c1[d] += p1[i] * x, c2[d] += p2[i] * x, c3[d] += p3[i] * x;
+            }
+    }
+    for (; g < G; g++) {
+        const float *pg = p + g * bs;
+        float *c = acc + (int64_t)g * Dv;
+        for (int d = 0; d < D8; d += 8) {
+            v8 a = ld8(c + d);
+            for (int i = 0; i < n; i++) a += pg[i] * ld8(v + i * vs + d);
+            st8(c + d, a);
+        }
+        for (int d = D8; d < Dv; d++)
+            for (int i = 0; i < n; i++) c[d] += pg[i] * v[i * vs + d];
+    }
+}
+
+/* Ask for the K and V rows of pool block `blk` (head h) while the current block computes:
+ * a block is a few KB at a random place in the pool, too short for the hardware prefetcher
+ * to reach full speed on its own. */
+static inline __attribute__((always_inline)) void prefetch_block(const Job *j, int h, int64_t blk) {
+    const int esz = j->kv_dtype == 0 ? 4 : 2;
+    const char *kp = (const char *)j->k + (h * j->k_head + blk * j->k_block) * esz;
+    const char *vp = (const char *)j->v + (h * j->v_head + blk * j->v_block) * esz;
+    const int64_t kbytes = (int64_t)j->bs * j->k_pos * esz, vbytes = (int64_t)j->bs * j->v_pos * esz;
+    for (int64_t o = 0; o < kbytes; o += 64) __builtin_prefetch(kp + o, 0, 3);
+    for (int64_t o = 0; o < vbytes; o += 64) __builtin_prefetch(vp + o, 0, 3);
+}
+
+/* One (row, KV head): scratch holds G*bs scores, bs*(D+Dv) converted K/V, G*Dv accumulators.
+ * Per block: scores, the running max and sum per query (online softmax), rescaled sums. */
+static inline __attribute__((always_inline)) void attend_item(const Job *j, int64_t r, int h, float *scratch) {
     const int G = j->G, D = j->D, Dv = j->Dv, bs = j->bs;
     float *scores = scratch;                       /* [G, bs] */
     float *kbuf = scores + (int64_t)G * bs;        /* [bs, D] */
@@ -91,9 +215,9 @@ static void attend_item(const Job *j, int64_t r, int h, float *scratch) {
         const int n = (int)((c - p0) < (bs - off) ? (c - p0) : (bs - off));
         const int64_t kat = h * j->k_head + blk * j->k_block + off * j->k_pos;
         const int64_t vat = h * j->v_head + blk * j->v_block + off * j->v_pos;
-        const float *kb = kbuf, *vb = vbuf;  /* [n, D], [n, Dv]: in place when fp32 rows are dense */
+        const float *kb = kbuf, *vb = vbuf;  /* [n, D], [n, Dv]: in place when fp32 */
         int64_t ks = D, vs = Dv;
-        if (j->kv_dtype == 0 && j->k_pos >= D && j->v_pos >= Dv) {
+        if (j->kv_dtype == 0) {
             kb = (const float *)j->k + kat, ks = j->k_pos;
             vb = (const float *)j->v + vat, vs = j->v_pos;
         } else {
@@ -102,28 +226,24 @@ static void attend_item(const Job *j, int64_t r, int h, float *scratch) {
                 load_vec(vbuf + (int64_t)i * Dv, j->v, vat + i * j->v_pos, Dv, j->kv_dtype);
             }
         }
+        if (p0 == lo && p0 + n < c) prefetch_block(j, h, table[(p0 + n) / bs]);  /* the item's second block */
+        if (p0 + n + bs < c) prefetch_block(j, h, table[(p0 + n) / bs + 1]);  /* two blocks ahead */
+        qk_block(scores, bs, q, j->q_head, G, kb, ks, n, D, j->scale);
         for (int g = 0; g < G; g++) {
-            const float *qg = q + (int64_t)g * j->q_head;
             float *s = scores + (int64_t)g * bs;
             float mx = m[g];
-            for (int i = 0; i < n; i++) {
-                s[i] = dot(qg, kb + i * ks, D) * j->scale;
-                if (s[i] > mx) mx = s[i];
-            }
+            for (int i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
             const float corr = expf(m[g] - mx);  /* 0 on the first block (m = -inf) */
-            float *a = acc + (int64_t)g * Dv;
-            if (corr != 1.f) {
-                for (int d = 0; d < Dv; d++) a[d] *= corr;
-            }
             float sum = l[g] * corr;
-            for (int i = 0; i < n; i++) {
-                const float e = expf(s[i] - mx);
-                sum += e;
-                axpy(a, e, vb + i * vs, Dv);
+            sum += exp_sub_sum(s, n, mx);
+            if (corr != 1.f) {
+                float *a = acc + (int64_t)g * Dv;
+                for (int d = 0; d < Dv; d++) a[d] *= corr;
             }
             m[g] = mx;
             l[g] = sum;
         }
+        pv_block(acc, Dv, scores, bs, G, vb, vs, n);
         p0 += n;
     }
     for (int g = 0; g < G; g++) {
@@ -141,17 +261,53 @@ static void attend_item(const Job *j, int64_t r, int h, float *scratch) {
     }
 }
 
-static void *worker(void *arg) {
-    Job *j = (Job *)arg;
+/* The item loop twice: compiled for AVX2 + FMA, and for the baseline ISA; chosen once by
+ * what the CPU reports (a dispatch of our own: GCC's arch= clones test the CPU model name,
+ * which virtual machines often do not report). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_AVX2_CLONE 1
+__attribute__((target("avx2,fma"))) static void run_items_avx2(Job *j, float *scratch) {
     const int64_t items = j->nrows * j->Hkv;
-    const size_t n = (size_t)j->G * j->bs + (size_t)j->bs * (j->D + j->Dv) + (size_t)j->G * j->Dv;
-    float *scratch = (float *)malloc(n * sizeof(float));
-    if (!scratch) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return NULL; }
     for (;;) {
         const int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (it >= items) break;
         attend_item(j, j->rows[it / j->Hkv], (int)(it % j->Hkv), scratch);
     }
+}
+#endif
+
+static void run_items_base(Job *j, float *scratch) {
+    const int64_t items = j->nrows * j->Hkv;
+    for (;;) {
+        const int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (it >= items) break;
+        attend_item(j, j->rows[it / j->Hkv], (int)(it % j->Hkv), scratch);
+    }
+}
+
+static int use_avx2(void) {
+#ifdef HAVE_AVX2_CLONE
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return known;
+#else
+    return 0;
+#endif
+}
+
+static void *worker(void *arg) {
+    Job *j = (Job *)arg;
+    const size_t n = (size_t)j->G * j->bs + (size_t)j->bs * (j->D + j->Dv) + (size_t)j->G * j->Dv;
+    float *scratch = (float *)malloc(n * sizeof(float));
+    if (!scratch) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return NULL; }
+#ifdef HAVE_AVX2_CLONE
+    if (use_avx2()) run_items_avx2(j, scratch);
+    else
+#endif
+        run_items_base(j, scratch);
     free(scratch);
     return NULL;
 }
@@ -169,6 +325,7 @@ int moecc_paged_attention(
              Hkv, G, D, Dv, bs, rows, nrows, tables, table_off, ctx, lo, sinks, scale,
              out, o_row, o_head, 0, 0};
     const int64_t items = nrows * Hkv;
+    (void)use_avx2();  /* probe the CPU once, before any thread reads the answer */
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;
     pthread_t th[nthreads > 1 ? nthreads - 1 : 1];

@@ -223,8 +223,31 @@ def route_grouped(x: torch.Tensor, w: torch.Tensor, a: dict, bias: torch.Tensor 
     return top_w * float(a.get("routed_scaling_factor", 1.0)), top_i
 
 
+def merged_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """gate and up [I, H] as one [2I, H] view when `up` lies right after `gate` in the same
+    storage (a fused checkpoint's gate_up_proj, an expert streamed into a slot), else None.
+    Never copies."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        return None
+    if not (gate.is_contiguous() and up.is_contiguous()) or gate.dim() != 2:
+        return None
+    if gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr():
+        return None
+    if up.data_ptr() != gate.data_ptr() + gate.numel() * gate.element_size():
+        return None
+    return gate.as_strided((2 * gate.shape[0], gate.shape[1]), gate.stride())
+
+
 def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
-    # x: [T, H]  gate/up: [I, H]  down: [H, I] -> [T, H]
+    """act(x @ gate^T) * (x @ up^T) @ down^T; gate and up in one GEMM where they are stored
+    back to back (merged_gate_up). x: [T, H]  gate/up: [I, H]  down: [H, I] -> [T, H]"""
+    gu = merged_gate_up(gate, up)
+    if gu is not None:
+        both = linear(x, gu)  # [T, 2I]
+        n = gate.shape[0]
+        h = ACTIVATIONS[act](both[:, :n])  # [T, I]
+        h.mul_(both[:, n:])
+        return linear(h, down)
     h = ACTIVATIONS[act](linear(x, gate))  # [T, I]
     h.mul_(linear(x, up))  # in place: one [T, I] temporary fewer
     return linear(h, down)

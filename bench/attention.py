@@ -1,0 +1,113 @@
+"""Decode attention per step: the host kernel over the paged KV pool in place against the
+gather path (KV gathered into one buffer, then grouped SDPA), measured in one run.
+
+    python bench/attention.py                          # bench768's attention shape
+    python bench/attention.py --contexts 256,1024 --seqs 256
+
+For each context length, B sequences hold that many positions in a pool whose blocks are
+handed out in a shuffled order (as a long job leaves them); one decode step of attention
+for every sequence (queries already projected) is timed both ways, medians of --repeats,
+alternating the two so drift hits both alike. The two outputs are compared. A table is
+printed and JSON written (--json). Only attention itself is timed: projections, rope and
+the KV store are the same for both paths and excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+from moecc_runtime import native
+from moecc_runtime.memory.kv import KVPool
+from moecc_runtime.worker.attention import attend_decode, kv_view
+from moecc_runtime.worker.batch import MicroBatch
+from moecc_runtime.worker.host_attention import host_view
+
+
+def micro_batch(B: int, ctx: int, bs: int, num_blocks: int, gen: torch.Generator) -> MicroBatch:
+    """B decoding sequences of `ctx` positions each, their blocks drawn from a shuffled pool."""
+    per = -(-ctx // bs)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [order[i * per:(i + 1) * per] for i in range(B)]
+    items = [(i, i, ctx - 1, 1) for i in range(B)]
+    last = torch.tensor([t[(ctx - 1) // bs] for t in tables])
+    return MicroBatch(0, B, items, tables, last, torch.full((B,), (ctx - 1) % bs), 0, host=True)
+
+
+def time_paths(pool: KVPool, mb: MicroBatch, q: torch.Tensor, a: dict, repeats: int) -> dict[str, Any]:
+    """Median seconds of the gather path and of the host kernel over one micro-batch."""
+    bs = pool.block_size
+    out_g = torch.empty(q.shape[0], q.shape[1] * pool.v.shape[-1])
+    out_h = torch.empty(q.shape[0], q.shape[1], pool.v.shape[-1])
+    kview = kv_view(mb, None, bs)
+    hv = host_view(mb, None, bs)
+    nb = kview.blocks.numel()
+    kbuf = torch.empty(pool.k.shape[1], nb, bs, pool.k.shape[-1], dtype=pool.k.dtype)
+    vbuf = torch.empty(pool.v.shape[1], nb, bs, pool.v.shape[-1], dtype=pool.v.dtype)
+
+    def gather() -> None:
+        pool.gather(0, kview.blocks, kbuf, vbuf)
+        attend_decode(out_g, q, kbuf, vbuf, kview, a, None)
+
+    def host() -> None:
+        native.paged_attention(q, pool.k[0], pool.v[0], hv.rows, hv.tables, hv.table_off, hv.ctx, hv.lo,
+                               a["scaling"], out_h)
+
+    tg, th = [], []
+    gather(), host()
+    for _ in range(repeats):
+        for f, ts in ((gather, tg), (host, th)):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+    diff = (out_g - out_h.view_as(out_g)).abs().max().item()
+    kv_bytes = mb.r1 * (mb.items[0][2] + 1) * pool.bytes_per_token
+    return {"gather_s": median(tg), "host_s": median(th), "speedup": median(tg) / median(th),
+            "kv_bytes": kv_bytes, "host_GBps": kv_bytes / median(th) / 1e9, "max_abs_diff": diff}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", type=int, default=256, help="decoding sequences (B)")
+    ap.add_argument("--contexts", default="64,256,512,1024")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=96)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "attention.json")
+    args = ap.parse_args(argv)
+    if not native.available():
+        raise SystemExit("bench/attention.py: the native kernel is not built (pip install the project)")
+    gen = torch.Generator().manual_seed(0)
+    a = {"scaling": args.head_dim ** -0.5}
+    rows = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        per = -(-ctx // args.block_size)
+        pool = KVPool(1, args.kv_heads, args.head_dim, block_size=args.block_size, num_blocks=args.seqs * per,
+                      dtype=torch.float32)
+        pool.k.normal_(generator=gen), pool.v.normal_(generator=gen)
+        mb = micro_batch(args.seqs, ctx, args.block_size, pool.num_blocks, gen)
+        q = torch.randn(args.seqs, args.heads, args.head_dim, generator=gen)
+        r = {"context": ctx, **time_paths(pool, mb, q, a, args.repeats)}
+        rows.append(r)
+        print(f"ctx {ctx:5d}: gather {r['gather_s'] * 1e3:7.2f} ms  host {r['host_s'] * 1e3:7.2f} ms  "
+              f"speedup {r['speedup']:.2f}x  host {r['host_GBps']:.1f} GB/s of KV  max|diff| {r['max_abs_diff']:.1e}")
+    result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+              "shape": {"seqs": args.seqs, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                        "block_size": args.block_size, "dtype": "float32"}, "per_layer": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
