@@ -31,9 +31,20 @@
 #
 # With OR-Tools importable and no --plan, the script compiles the plan itself. Pass the same
 # --layers (and workload options) to both steps; a mismatched plan is refused before running.
+#
+# --offload (first argument): run bench/gpu_offload_check.py instead (the same plan with
+# attention on the host and on the device: tok/s, peak device memory, copy/compute overlap
+# from the engine and from torch.profiler, pinned/pageable copies), e.g.
+#         bash bench/gpu_check.sh --compile-only --layers 4                   (here)
+#         bash bench/gpu_check.sh --offload --plan bench/out/gpu_check/plan-4L.pt --layers 4   (device)
+#         bash bench/gpu_check.sh --offload --dry-run-cpu                     (a CPU smoke test)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ "${1:-}" = "--offload" ]; then
+  shift
+  exec "${PYTHON:-python}" bench/gpu_offload_check.py "$@"
+fi
 exec "${PYTHON:-python}" bench/gpu_check.py "$@"

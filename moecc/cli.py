@@ -37,6 +37,10 @@ def compile_cmd(
     hardware: Optional[str] = typer.Option(None, "--hardware", help="A preset (t4, l4, rtx4090, a5000, a6000, "
                                            "a100-80gb, h100-80gb, h200, cpu) or a JSON file from `moecc profile`. "
                                            "Unset: this machine's preset."),
+    attention: str = typer.Option("auto", "--attention", help="Where attention runs, per phase: auto (the planner "
+                                  "picks host, device or a split of each step's sequences by predicted "
+                                  "throughput), host (on the CPU over the KV pool in place: only queries and "
+                                  "outputs cross) or device (the KV brought to the device every layer)."),
     dump_dir: Optional[Path] = typer.Option(None, "--dump-dir", help="Write the graph after every pass as NNN_<pass>.txt."),
     dump_format: str = typer.Option("txt", "--dump-format", help="Comma-separated dump formats: txt, onnx "
                                     "(NNN_<pass>.onnx, one node per module-level op, opens in Netron), svg "
@@ -64,13 +68,14 @@ def compile_cmd(
         reserve = parse_size(host_reserve, what="--host-reserve", allow_zero=True) if host_reserve is not None else None
     except SizeError as e:
         _fail(str(e))
-    from moecc.compiler import compile_model
+    from moecc.compiler import check_attention, compile_model
     from moecc.quantize import quantize_spec
     from moecc_runtime.plan import save_plan
 
     try:
         quantize_spec(quantize, quantize_group_size, quantize_scope)
-    except MoeccError as e:
+        check_attention(attention)
+    except (MoeccError, ValueError) as e:
         _fail(str(e))
 
     if prompts is not None:
@@ -89,7 +94,7 @@ def compile_cmd(
                                     dump_formats=tuple(f.strip() for f in dump_format.split(",") if f.strip()),
                                     print_after=set(print_after) or None, verify=verify, quantize=quantize,
                                     quantize_group_size=quantize_group_size, quantize_scope=quantize_scope,
-                                    output=output, log=lambda line: typer.echo(line, err=True))
+                                    output=output, log=lambda line: typer.echo(line, err=True), attention=attention)
     except (MoeccError, ValueError) as e:
         _fail(str(e))
     save_plan(plan, output)
@@ -98,13 +103,20 @@ def compile_cmd(
     present = "weights present" if plan["model"]["fingerprint"]["weight_files"] else "config only (cannot exec)"
     typer.echo(f"wrote {output}: {plan['model']['architecture']}, {graph.info.num_layers} layers, "
                f"{format_bytes(pred['weight_bytes'])} of weights ({present}); "
-               f"decode B={d['B']} b_a={d['b_a']} b_e={d['b_e']}; predicted on {pred.get('hardware')}: "
+               f"decode B={d['B']} b_a={d['b_a']} b_e={d['b_e']}; attention {_where(plan)}; "
+               f"predicted on {pred.get('hardware')}: "
                f"prefill {pred.get('prefill_tokens_per_s', 0):.0f} tok/s, decode "
                f"{pred.get('decode_tokens_per_s', 0):.0f} tok/s (`moecc explain {output}` says why)", err=True)
     side = plan["model"]["fingerprint"].get("sidecar")
     if side is not None:
         typer.echo(f"wrote {output.with_name(side['file'])}: {graph.attrs['quantized']['tensors']} weights as "
                    f"{side['quantize']['scheme']} ({format_bytes(side['size'])}); keep it beside the plan", err=True)
+
+
+def _where(plan: dict) -> str:
+    """Where each phase's attention runs, e.g. 'host (decode), host (prefill)'."""
+    return ", ".join(f"{(plan['batch'][ph].get('attention') or {}).get('where', '?')} ({ph})"
+                     for ph in ("decode", "prefill"))
 
 
 def _workload_from(prompts: Path, model_dir: Path, default_max: int) -> tuple[int, int]:
@@ -181,11 +193,16 @@ def exec_cmd(
         ray_options = RayOptions(address=ray_address, workers=workers)
     if errors is None and output is not None:
         errors = output.with_name(output.stem + ".errors.jsonl")
+    from functools import partial
+
+    from moecc.replan import replan_for_device  # a plan without --gpu-mem on CUDA: recompiled for the device
+
     try:
         summary = run_job(plan, prompts, output if output is not None else sys.stdout, errors_path=errors,
                           model_dir=model, max_tokens=max_tokens, device=device, max_batch=max_batch,
                           stats_path=stats, fmt=fmt, resume=resume, progress="quiet" if quiet else "auto",
-                          handle_signals=True, log=None if quiet else sys.stderr, ray=ray_options)
+                          handle_signals=True, log=None if quiet else sys.stderr, ray=ray_options,
+                          replan=partial(replan_for_device, plan_path=plan, log=lambda m: typer.echo(m, err=True)))
     except JobLockError as e:  # nothing was written: the files belong to another run, or collide
         _fail(str(e))
     except (PlanError, WeightError, CopyError, ArenaError, OSError, RuntimeError, ValueError) as e:

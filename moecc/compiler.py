@@ -39,6 +39,7 @@ def compile_model(
     quantize_symmetric: bool = False,
     output: str | os.PathLike | None = None,
     log: Callable[[str], None] | None = None,
+    attention: str = "auto",
 ) -> tuple[dict[str, Any], Graph]:
     """Compile the checkpoint at `model_dir`; return (plan, final graph).
 
@@ -46,13 +47,13 @@ def compile_model(
     be saved at (save_plan(plan, output)): the quantized weights are written beside it, as
     `output` + ".weights.safetensors", the file the runtime reads for a plan at `output`.
     verify=None reads MOECC_VERIFY (the test suite sets it to 1, so every compile in tests
-    checks the graph after every pass)."""
+    checks the graph after every pass). `attention`: auto, host or device (--attention)."""
     options = CompileOptions(gpu_mem=gpu_mem, host_mem=host_mem, host_reserve=host_reserve, prompt_tokens=prompt_tokens,
                              output_tokens=output_tokens, max_batch=max_batch,
                              hardware=None if hardware is None else str(hardware), quantize=quantize,
                              quantize_group_size=quantize_group_size, quantize_scope=quantize_scope,
                              quantize_symmetric=quantize_symmetric,
-                             plan_path=None if output is None else str(output), log=log)
+                             plan_path=None if output is None else str(output), log=log, attention=attention)
     final = compile_graph(model_dir, options, instruments=instruments_for(dump_dir, dump_formats, print_after),
                           verify=verify)
     return final.attrs["plan"], final
@@ -68,6 +69,7 @@ def compile_graph(model_dir: str | os.PathLike, options: CompileOptions = Compil
     plan is made (a compile that fails or stops before emit_plan leaves none, and an earlier
     one there untouched)."""
     quantize_spec(options.quantize, options.quantize_group_size, options.quantize_scope)  # refuse early
+    check_attention(options.attention)
     if verify is None:
         verify = os.environ.get("MOECC_VERIFY", "") not in ("", "0")
     start = time.perf_counter()
@@ -89,6 +91,14 @@ def compile_graph(model_dir: str | os.PathLike, options: CompileOptions = Compil
         raise
     _commit_sidecar(final, options.plan_path)
     return final
+
+
+def check_attention(attention: str) -> None:
+    """Refuse an --attention value the planner does not know, naming the option."""
+    from moecc.planner.solve import ATTENTION_CHOICES
+
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, not {attention!r}")
 
 
 def _commit_sidecar(final: Graph, plan_path: str | None) -> None:

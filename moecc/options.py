@@ -24,6 +24,8 @@ class CompileOptions:
     max_batch      upper bound on sequences in flight (B)
     hardware       a preset name, a `moecc profile` JSON path, or None: this machine's preset
     solve_seconds  CP-SAT's time limit per candidate (B, tokens per prefill step)
+    attention      where attention runs: "auto" (the planner places it per phase: host,
+                   device or a split, by predicted throughput), "host" or "device" (both phases)
     checkpoint     the frontend's Checkpoint (emit_plan locates every weight in it); set by
                    the compiler after `build_graph`, None before
     quantize       None, "int8" or "int4": weight-only quantization at compile (moecc/quantize/;
@@ -48,6 +50,7 @@ class CompileOptions:
     max_batch: int = 1024
     hardware: str | None = None
     solve_seconds: float = 10.0
+    attention: str = "auto"
     checkpoint: "Checkpoint | None" = None
     quantize: str | None = None
     quantize_group_size: int = 128

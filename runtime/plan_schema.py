@@ -9,13 +9,15 @@ The runtime owns this schema; the compiler imports it, and with it the facts bot
 must agree on: the op vocabulary, the transfer ops, the arena alignment, the job kinds of
 the planner's step model, the residency group of a module, the KV geometry of a model.
 
-Version 3 (this one) added each module's `residency_group` and the KV geometry (`layers`,
-`heads`, `key_dim`, `value_dim`) under `batch.kv`, made `batch.kv.block_size` required,
+Version 4 (this one) added each phase's attention placement (`batch.<phase>.attention`,
+`AttentionPlacement`; the compiler always writes it). Version 3 added each module's
+`residency_group` and the KV geometry (`layers`, `heads`, `key_dim`, `value_dim`) under
+`batch.kv`, made `batch.kv.block_size` required,
 dropped the unused `output` key, and records each weight file's header hash in the
 fingerprint. Plans of other versions are refused with "recompile". Added within version 3,
 as optional fields (plans without them load as before): weight formats (`WeightEntry.format`
 and its parts) and the sidecar of weights quantized at compile (`Fingerprint.sidecar`,
-`StoredTensor.root`).
+`StoredTensor.root`), kept in version 4.
 """
 
 # no `from __future__ import annotations`: TypedDict reads NotRequired from live annotations
@@ -124,7 +126,10 @@ class AttentionPlacement(TypedDict):
     """Where a phase's attention runs: on the device over KV brought there ("device"), on the
     host next to the paged KV pool, only the step's queries and outputs crossing ("host"), or
     the first `host_fraction` of each step's sequences on the host and the rest on the
-    device ("split")."""
+    device ("split"), the two parts at once. A phase on the host gathers no KV and uses no
+    device KV buffer: when both phases are, `Arena.kv_buffer_tokens` is 0; a split's buffers
+    are sized for its device part's micro-batches. The planner chooses it per phase
+    (moecc/planner/solve.py) unless `moecc compile --attention host|device` forces it."""
 
     where: Literal["host", "device", "split"]
     host_fraction: float  # 1.0 for "host", 0.0 for "device"

@@ -130,7 +130,8 @@ def test_profile_calibrates_on_a_real_job_and_compile_uses_it(tmp_path, checkpoi
         cal = p.calibration[mode]
         assert {"attention", "gemm", "router", "head"} <= set(cal["factor"])
         assert cal["overhead_layer_s"] >= 0 and cal["overhead_row_s"] >= 0
-    assert {"fetch", "kv_load"} <= set(p.calibration["streamed"]["factor"])
+    # the CPU's plans attend on the host, over the KV pool in place: no KV load to calibrate
+    assert "fetch" in p.calibration["streamed"]["factor"]
     assert "calibrated on" in r.output
     plans = {name: compile_model(model, hardware=hw, prompt_tokens=16, output_tokens=8)[0]
              for name, hw in (("calibrated", out), ("raw", _saved(dataclasses.replace(p, calibration={}), tmp_path)))}

@@ -146,7 +146,8 @@ def test_streamed_mixed_plan_gives_the_same_tokens(mixed_runs):
     """A --gpu-mem below the weights: slices stream through the arena as cast, same tokens."""
     path, _, reqs, in_place, ref = mixed_runs("mixtral", "per_expert")
     gpu_mem = 700_000
-    plan, _ = compile_model(path, prompt_tokens=24, output_tokens=8, max_batch=4, gpu_mem=gpu_mem)
+    # _moecc runs attention on the device: the plan must give it KV buffers
+    plan, _ = compile_model(path, prompt_tokens=24, output_tokens=8, max_batch=4, gpu_mem=gpu_mem, attention="device")
     assert plan["arena"] is not None and plan["arena"]["bytes"] <= gpu_mem < plan["predicted"]["weight_bytes"]
     assert not any(g.endswith(".experts") for g in plan["arena"]["resident"]), "experts must stream"
     got = _moecc(plan, path, reqs)

@@ -6,7 +6,8 @@ and transfers) naming inputs by value name and weights by manifest key; the weig
 manifest maps each key (<node>.<local>) to file, absolute byte offset, dtype and shape of
 the exact slice (one expert of a fused tensor is an offset, not a copy); weights quantized
 at compile (quantize_weights) name tensors of the plan's sidecar (`root: "plan"`), whose size
-and header hash join the fingerprint of the checkpoint; the solved sizes; predicted figures.
+and header hash join the fingerprint of the checkpoint; the solved sizes, each phase's with its
+attention placement (`batch.<phase>.attention`, always written); predicted figures.
 Guarantees: plan (graph.attrs["plan"], plain data only, loadable with weights_only=True,
 valid against the runtime's schema: each module's residency group, the KV geometry).
 Options: none (reads ctx.options.checkpoint, the frontend's Checkpoint).
@@ -86,6 +87,9 @@ def _plan(g: Graph, ckpt: Any, schedule: list[dict[str, Any]], manifest: dict[st
     rope = g.node("rope")
     heads, key_dim, value_dim = g.info.kv_geometry
     batch = g.attrs["batch"]
+    for phase in ("decode", "prefill"):
+        if "attention" not in batch[phase]:
+            raise PassError("emit_plan", f"batch.{phase}.attention is missing: solve_batch_sizes places attention")
     kv = {**batch["kv"], "layers": g.info.num_layers, "heads": heads, "key_dim": key_dim, "value_dim": value_dim}
     return {
         "schema": SCHEMA,

@@ -8,6 +8,10 @@ critical path is the predicted step time. Everything that prices a step asks `Co
   - calibrate (moecc/measure) fits a profile's calibration to measured steps with `step`;
   - bench/predict.py evaluates hand-set plans with `predict(workload, choice_of(plan))`.
 
+A configuration (`Choice`) includes, per phase, where attention runs: the share of a step's
+sequences that attend on the host (0: all on the device; 1: all on the host; between: a split,
+the two parts at once), priced by schedule.py.
+
 The step shapes of a workload are one rule for all of them (`Workload`): a decode step of B
 sequences has B rows at a mean context of prompt + output / 2; a prefill step of tps prompt
 tokens covers ceil(tps / prompt) sequences (at least one: a longer prompt is prefilled over
@@ -18,11 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, Callable
 
-from moecc.planner.costs import ModelCost
-from moecc.planner.schedule import (Knobs, Rates, Schedule, StepShape, attn_layer_seconds, build_schedule,
-                                    calibrated, ffn_layer_seconds, head_seconds, mode_of, to_data)
+from moecc.planner.costs import LayerCost, ModelCost
+from moecc.planner.schedule import (Knobs, Rates, Schedule, StepShape, attn_layer_parts, attn_layer_seconds,
+                                    build_schedule, calibrated, ffn_layer_seconds, head_seconds, mode_of, split_shape,
+                                    to_data)
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,14 @@ class Workload:
         return StepShape(S=seqs, T=tps, context=self.prompt_tokens / 2, head_rows=seqs)
 
 
+PHASES: tuple[str, ...] = ("decode", "prefill")
+
+
 @dataclass(frozen=True)
 class Choice:
     """A candidate configuration: the batch B, decode sizes, prefill (tokens per step, b_a,
-    b_e), prefetch depth and the residency groups kept on the device."""
+    b_e), prefetch depth, the residency groups kept on the device, and per phase (decode,
+    prefill) the share of a step's sequences whose attention runs on the host."""
 
     B: int
     b_a: int
@@ -53,22 +63,39 @@ class Choice:
     prefill: tuple[int, int, int]  # tps, b_a, b_e
     prefetch: int
     resident: frozenset[str]
+    attention: tuple[float, float] = (0.0, 0.0)  # host fraction: decode, prefill (0: all on the device)
+
+    def host_fraction(self, phase: str) -> float:
+        return self.attention[_phase_index(phase)]
 
     def knobs(self, phase: str, streams: bool) -> Knobs:
         """The schedule's knobs for `phase`; without an arena every weight is read in place."""
-        if phase not in ("decode", "prefill"):
-            raise ValueError(f"phase {phase!r}: decode or prefill")
-        b_a, b_e = (self.b_a, self.b_e) if phase == "decode" else self.prefill[1:]
-        return Knobs(b_a, b_e, self.prefetch, self.resident if streams else frozenset({"all"}))
+        b_a, b_e = (self.b_a, self.b_e) if _phase_index(phase) == 0 else self.prefill[1:]
+        return Knobs(b_a, b_e, self.prefetch, self.resident if streams else frozenset({"all"}),
+                     self.host_fraction(phase))
+
+
+def _phase_index(phase: str) -> int:
+    if phase not in PHASES:
+        raise ValueError(f"phase {phase!r}: decode or prefill")
+    return PHASES.index(phase)
+
+
+def placement(host_fraction: float) -> dict[str, Any]:
+    """A phase's attention placement as the plan holds it (plan_schema.AttentionPlacement)."""
+    f = float(host_fraction)
+    return {"where": "host" if f >= 1.0 else "device" if f <= 0.0 else "split", "host_fraction": f}
 
 
 def choice_of(plan: dict[str, Any]) -> Choice:
-    """The configuration a plan carries (a hand-edited plan's too)."""
+    """The configuration a plan carries (a hand-edited plan's too; a phase without an
+    attention placement attends on the device)."""
     d, p, arena = plan["batch"]["decode"], plan["batch"]["prefill"], plan.get("arena")
+    host = tuple(float((plan["batch"][ph].get("attention") or {}).get("host_fraction", 0.0)) for ph in PHASES)
     return Choice(int(d["B"]), int(d["b_a"]), int(d["b_e"]),
                   (int(p["tokens_per_step"]), int(p["b_a"]), int(p["b_e"])),
                   int(arena["expert_slots"]) - 1 if arena else 1,
-                  frozenset(arena["resident"]) if arena else frozenset())
+                  frozenset(arena["resident"]) if arena else frozenset(), (host[0], host[1]))
 
 
 def streams_of(plan: dict[str, Any]) -> bool:
@@ -149,27 +176,57 @@ class CostModel:
 
     # -- per-layer job times (seconds): the terms of the solver's linear program ---------
 
-    def attention_s(self, shape: StepShape, b_a: int) -> list[float]:
-        """Each layer's attention micro-batches (calibrated; without the copies they steal from)."""
+    def _per_layer(self, price: Callable[[LayerCost], Any]) -> list[Any]:
+        """`price` of every layer, evaluated once per distinct layer (identical layers cost alike)."""
+        seen: dict[tuple, Any] = {}
+        return [seen[k] if k in seen else seen.setdefault(k, price(lc))
+                for k, lc in zip(self._layer_keys, self.cost.layers)]
+
+    @cached_property
+    def _layer_keys(self) -> list[tuple]:
+        return [tuple(v for k, v in vars(lc).items() if k != "layer") for lc in self.cost.layers]
+
+    def attention_parts(self, shape: StepShape, b_a: int, host_fraction: float = 0.0
+                        ) -> tuple[list[float], list[float]]:
+        """Each layer's attention micro-batches, the host and device parts together (as they
+        overlap), and each layer's host part alone (calibrated; without the copies they steal
+        from). The host part precedes the router, so beside it the copy lane moves only what
+        needs no routing (the experts wait for the router, but the first ones where the
+        runtime speculates: schedule.speculates)."""
         c, r = self.cost, self.rates
-        return [attn_layer_seconds(lc, r, c.dtype, shape, b_a, not self.streams) for lc in c.layers]
+
+        def price(lc: LayerCost) -> tuple[float, float]:
+            host = attn_layer_parts(lc, r, c.dtype, shape, b_a, not self.streams, host_fraction)[0]
+            return attn_layer_seconds(lc, r, c.dtype, shape, b_a, not self.streams, host_fraction), host
+
+        both = self._per_layer(price)
+        return [t for t, _ in both], [h for _, h in both]
+
+    def attention_s(self, shape: StepShape, b_a: int, host_fraction: float = 0.0) -> list[float]:
+        """Each layer's attention micro-batches (attention_parts)."""
+        return self.attention_parts(shape, b_a, host_fraction)[0]
+
+    def host_attention_s(self, shape: StepShape, b_a: int, host_fraction: float) -> list[float]:
+        """Each layer's host part of attention (attention_parts; 0 without one)."""
+        return self.attention_parts(shape, b_a, host_fraction)[1]
 
     def ffn_s(self, T: float, b_e: int) -> list[float]:
         """Each layer's router and experts (or dense MLP) over T rows in chunks of b_e."""
         c, r = self.cost, self.rates
-        return [ffn_layer_seconds(lc, r, c.dtype, T, b_e, self.mode) for lc in c.layers]
+        return self._per_layer(lambda lc: ffn_layer_seconds(lc, r, c.dtype, T, b_e, self.mode))
 
     def head_s(self, rows: int) -> float:
         return head_seconds(self.cost, self.rates, rows, self.mode)
 
-    def kv_load_s(self, shape: StepShape) -> tuple[list[float], list[float]]:
-        """Each layer's KV loads (the stores are the compute thread's, inside attention), as
-        calibrated and at bytes / rate; all 0 without an arena."""
+    def kv_load_s(self, shape: StepShape, host_fraction: float = 0.0) -> tuple[list[float], list[float]]:
+        """Each layer's KV loads of the device part of attention (the stores are the compute
+        thread's, inside attention), as calibrated and at bytes / rate; all 0 without an arena."""
         r = self.rates
         raw = [0.0 for _ in self.cost.layers]
+        S_d = split_shape(shape, host_fraction)[1][0]
         if self.streams:
             for i, lc in enumerate(self.cost.layers):
-                load = shape.S * shape.context * lc.kv_bytes_per_ctx
+                load = S_d * shape.context * lc.kv_bytes_per_ctx
                 raw[i] = load / r.copy_rate("h2d", load) if load > 0 else 0.0
         return [calibrated(r, self.mode, "kv_load", t) if t > 0 else 0.0 for t in raw], raw
 

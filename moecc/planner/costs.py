@@ -72,6 +72,8 @@ class LayerCost:
     attn_dequant_bytes: int = 0  # bytes the dequantize of the attention module's quantized weights touches
     ffn_dequant_bytes: int = 0  # the same for the MoE / MLP module's weights but its experts
     expert_dequant_bytes: int = 0  # the same for one expert (each expert in use, every step)
+    attn_q_width: int = 0  # per token: query values of all heads (what crosses to host attention)
+    attn_out_width: int = 0  # per token: attention output values of all heads, before o_proj (what comes back)
 
     @property
     def moe(self) -> bool:
@@ -130,6 +132,16 @@ ELEMENTWISE_PASSES: dict[str, int] = {"rmsnorm": 6, "add": 3, "mul": 3, "sigmoid
                                       "host_buffer": 4}
 
 
+def attention_widths(attrs: dict) -> tuple[int, int]:
+    """(query, output) values per token of an attention node, all heads: MLA's absorbed
+    queries span the latent and the rope key, its outputs the latent."""
+    heads = int(attrs.get("num_heads", 0))
+    if attrs.get("variant") == "mla":
+        latent = int(attrs["kv_lora_rank"])
+        return heads * (latent + int(attrs["qk_rope_head_dim"])), heads * latent
+    return heads * int(attrs.get("head_dim", 0)), heads * int(attrs.get("head_dim", 0))
+
+
 def elementwise_bytes(n, itemsize: int, hidden: int) -> int:
     """Activation bytes per token that node `n`'s non-GEMM work reads and writes (see
     ELEMENTWISE_PASSES; the attention's K/V part is added per layer from its KV width)."""
@@ -140,10 +152,7 @@ def elementwise_bytes(n, itemsize: int, hidden: int) -> int:
     if n.op == "host_buffer":
         return p["host_buffer"] * int(a.get("bytes_per_token", 0))
     if n.op == "attention":
-        per_head = (int(a["kv_lora_rank"]) + int(a["qk_rope_head_dim"]) if a.get("variant") == "mla"
-                    else int(a.get("head_dim", 0)))  # MLA's absorbed queries span latent + rope key
-        q = int(a.get("num_heads", 0)) * per_head
-        return p["attention_q"] * q * itemsize
+        return p["attention_q"] * attention_widths(a)[0] * itemsize
     if n.op == "router":
         return p["router"] * int(a.get("num_experts", 0)) * itemsize
     if n.op == "experts":
@@ -194,6 +203,7 @@ def model_cost(graph: Graph) -> ModelCost:
         if n.op == "kv_load":
             lc.kv_bytes_per_ctx += int(n.attrs["bytes_per_ctx_token"])
         elif n.op == "attention":
+            lc.attn_q_width, lc.attn_out_width = attention_widths(n.attrs)
             lc.attn_bytes += n.weight_bytes
             lc.attn_flops += n.flops_per_token
             lc.attn_ctx_flops += int(n.attrs.get("flops_per_ctx_token", 0))

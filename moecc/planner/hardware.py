@@ -53,7 +53,9 @@ ELEMENTWISE_EFFICIENCY = 0.5
 
 # Fraction of memory bandwidth that attention over a KV cache achieves when no curve was
 # measured (decode attention is a streaming read of K and V, but with softmax, small
-# heads and gather overhead in between).
+# heads and gather overhead in between). On the host (`on_cpu`) it applies to host_bandwidth,
+# a STREAM-style figure: the paged kernel reads blocks of 8 positions per KV head, each a few
+# KiB, and converts bf16 to fp32 on the way, so half of STREAM is what a preset assumes.
 ATTENTION_EFFICIENCY = 0.5
 
 _DTYPE_ALIASES: dict[str, str] = {
@@ -397,6 +399,12 @@ GBPS = 1e9  # bytes/s
 # Achievable pinned host->device / device->host rates per host link (not the raw link rate).
 PCIE3, PCIE4, PCIE5 = 12 * GBPS, 25 * GBPS, 50 * GBPS
 SERVER_HOST_BW, WORKSTATION_HOST_BW = 100 * GBPS, 50 * GBPS
+# One socket of a DDR4 server CPU, the kind of host MoE-Gen measured its A5000 on ("a
+# multi-core server CPU with DDR4"; the exact part is not assumed): 8 channels of DDR4-3200
+# = 8 x 25.6 = 204.8 GB/s peak, of which STREAM reaches about 75% on such parts, ~150 GB/s.
+# Host attention then reads KV at ATTENTION_EFFICIENCY x 150 = 75 GB/s, three times the
+# PCIe 4.0 link's 25 GB/s. 16 cores (e.g. an EPYC 7313P: 16 cores, 8 x DDR4-3200).
+DDR4_SERVER_HOST_BW = 150 * GBPS
 
 
 def _host_cpu(cores: int, ghz: float = 2.5, fp32_per_cycle: int = 32) -> dict[str, float]:
@@ -434,8 +442,9 @@ PRESETS: dict[str, HardwareProfile] = {
     "rtx4090": _gpu("rtx4090", "NVIDIA GeForce RTX 4090", 24, 82.6, 165.2, 165.2, 1008, PCIE4,
                     WORKSTATION_HOST_BW, 16),
     # NVIDIA RTX A5000 datasheet: 27.8 TFLOPS FP32, 222.2 TFLOPS tensor with sparsity (111.1
-    # dense), 24 GB GDDR6 at 768 GB/s, PCIe 4.0 x16.
-    "a5000": _gpu("a5000", "NVIDIA RTX A5000", 24, 27.8, 111.1, 111.1, 768, PCIE4, WORKSTATION_HOST_BW, 16),
+    # dense), 24 GB GDDR6 at 768 GB/s, PCIe 4.0 x16; in a DDR4 server (DDR4_SERVER_HOST_BW), as
+    # MoE-Gen measured it: its host's memory rate is what host attention reads KV at.
+    "a5000": _gpu("a5000", "NVIDIA RTX A5000", 24, 27.8, 111.1, 111.1, 768, PCIE4, DDR4_SERVER_HOST_BW, 16),
     # NVIDIA RTX A6000 datasheet: 38.7 TFLOPS FP32, 309.7 TFLOPS tensor with sparsity (154.8
     # dense), 48 GB GDDR6 at 768 GB/s, PCIe 4.0 x16.
     "a6000": _gpu("a6000", "NVIDIA RTX A6000", 48, 38.7, 154.8, 154.8, 768, PCIE4, WORKSTATION_HOST_BW, 24),

@@ -3,24 +3,38 @@
 Formulation (all times in µs, memory in bytes; `x_*` one-hot choices, `r_g` residency):
   B               enumerated outside the program (as FlexGen does, to keep it linear);
                   candidates: powers of two up to min(--max-batch, what host memory holds)
-  decode          x_a[b_a] (attention micro-batch), x_e[b_e] (expert chunk)
-  prefill         z[(b_a, b_e)] for each prompt-tokens-per-step tps (enumerated outside)
+  decode          x_a[(h, b_a)] (attention placement h, micro-batch b_a), x_e[b_e] (expert chunk)
+  prefill         z[(b_a, b_e, h)] for each prompt-tokens-per-step tps (enumerated outside)
+  placement       h: the share of a step's sequences whose attention runs on the host, over
+                  the KV pool in place (1 host, 0 device, between: a split, the two parts
+                  concurrent); offered: 1, 0.75, 0.5, 0.25, 0 (host or device only on a
+                  CPU-only profile, whose "device" is the host), one value with --attention
   overlap         y[p] prefetch depth p in {0..3}; p + 1 expert slots on the device (only p = 0
                   when the profile says copies hide less than NO_OVERLAP behind compute)
   residency       r_g for g in L{i}.attn, L{i}.experts, L{i}.dense, head (1 = kept on device)
   per phase f and layer l:
-    comp_fl = sum x . attention time(b_a) + sum x . expert/MLP time(b_e)      (measured rates,
-                                                          calibrated on the runtime when profiled so)
-    copy_fl = sum_g (1 - r_g) . fetch time(g) + KV load/store time           (0 on a CPU device
-                                                                               without --gpu-mem)
+    comp_fl = sum x . attention time(h, b_a) + sum x . expert/MLP time(b_e)  (measured rates,
+                                                          calibrated on the runtime when profiled so;
+                                                          attention: max of its host and device parts)
+    copy_fl = sum_g (1 - r_g) . fetch time(g) + KV load time(h)              (0 on a CPU device
+                                                                               without --gpu-mem;
+                                                                               KV: the device part's)
     moved_fl = copy_fl at bytes / rate, before calibration (what a copy steals from compute)
+    gate_fl = sum x . host part of attention(h, b_a): experts are fetched once the router
+              has chosen them, and the router follows attention
+    spec_fl[p] = the share of the layer's expert fetch the runtime speculates on: in a step
+              of T rows with T . top_k >= 4 . experts (schedule.speculates) its first p + 1
+              experts are fetched while attention runs, before routing; else 0
     t_fl >= comp_fl + (1 - copy_overlap) . moved_fl,  t_fl >= copy_fl,
+    t_fl >= gate_fl + sum_g (1 - r_g) . fetch time(g) . (1 - spec_fl[p])   (if y[p])
     t_fl >= comp_fl + copy_fl - BIG . (1 - y[0])
+              (with speculation: less the speculated fetch, plus what it steals: if y[0])
     T_f = sum_l t_fl + head_f (+ its fetch)
   device memory (each phase, when --gpu-mem is set), at a 0.9 derate:
     arena = sum_g r_g . bytes_g + (p + 1) . expert slot + 2 . dense slot
-            + kv (two KV buffers: kv >= the chosen b_a's of both phases; each buffer holds
-              b_a sequences of the workload's length, and at least one of the model's context)
+            + kv (two KV buffers: kv >= the chosen (h, b_a)'s of both phases; each buffer holds
+              b_a sequences of the workload's length (a split: its device part's, at most
+              b_a), and at least one of the model's context; none when h = 1)
             + staging (B + tps rows of hidden state and rope)
     arena + b_e . expert activation row + rows . hidden . 6 . itemsize (temporaries) <= budget
     The arena is what the runtime allocates (plan["arena"]); temporaries live beside it.
@@ -47,7 +61,7 @@ from moecc_runtime.plan_schema import ALIGN, KV_BLOCK_SIZE, expert_group, reside
 from moecc.planner.cost_model import Choice, CostModel, Workload
 from moecc.planner.costs import ModelCost
 from moecc.planner.host_memory import HostReserve, fits, host_bytes, host_reserve
-from moecc.planner.schedule import Rates, experts_in_use
+from moecc.planner.schedule import Rates, StepShape, experts_in_use, speculated_experts, split_shape
 
 DEVICE_DERATE = 0.9
 KV_BLOCK = KV_BLOCK_SIZE
@@ -56,6 +70,7 @@ CPU_FRESH_MAP_BYTES = 32 * 2**20
 US = 1e6  # time unit of the program: microseconds
 STEAL_SCALE = 1000  # (1 - copy_overlap) as an integer share in thousandths
 T_MAX = 10**9  # µs: bound on one step (1000 s) (keeps every product inside int64)
+ATTENTION_CHOICES: tuple[str, ...] = ("auto", "host", "device")  # --attention
 
 
 @dataclass
@@ -74,6 +89,24 @@ class Problem:
     prefetch_options: tuple[int, ...] = (0, 1, 2, 3)
     b_a_options_max: int = 6  # how many powers of two below B to offer for b_a
     pareto: bool = True  # drop dominated options before solving (exact; off only to test that)
+    attention: str = "auto"  # --attention: auto (placed by the program), host or device
+    split_options: tuple[float, ...] = (0.75, 0.5, 0.25)  # host fractions of a split offered by auto
+    host_fractions: dict[str, tuple[float, ...]] | None = None  # per phase, offered (overrides `attention`)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, not {self.attention!r}")
+
+    def offered_fractions(self, phase: str) -> tuple[float, ...]:
+        """Host fractions offered for `phase`'s attention: `host_fractions` when set; else by
+        --attention: host (1), device (0), or auto: both and the splits between, but no split
+        on a CPU-only profile (its device is the host: the two parts would share its cores)."""
+        if self.host_fractions is not None:
+            return self.host_fractions[phase]
+        if self.attention != "auto":
+            return (1.0,) if self.attention == "host" else (0.0,)
+        splits = () if self.rates.device_kind == "cpu" else self.split_options
+        return (1.0, *splits, 0.0)
 
     @property
     def seq_len(self) -> int:
@@ -114,16 +147,30 @@ class Problem:
         out[str(residency_group("head", None))] = self.cost.head_slot_bytes
         return out
 
-    def kv_buffer_tokens(self, b_a: int) -> int:
-        """Positions one device KV buffer holds: b_a sequences of the workload's length (in
-        whole blocks), and never less than one sequence of the model's full context."""
-        blocks = max(b_a * -(-self.seq_len // KV_BLOCK), -(-max(self.cost.max_context, 1) // KV_BLOCK))
+    def kv_buffer_seqs(self, S: int, host_fraction: float, b_a: int) -> int:
+        """Sequences one device KV buffer holds for steps attending over S sequences: b_a when
+        all attend on the device, a micro-batch of the device part (at most b_a) in a split,
+        none when all attend on the host."""
+        if host_fraction <= 0.0:
+            return b_a
+        device_seqs = split_shape(StepShape(S, S, 0.0, 0), host_fraction)[1][0]
+        return min(b_a, device_seqs)
+
+    def kv_buffer_tokens(self, seqs: int) -> int:
+        """Positions one device KV buffer holds: `seqs` sequences of the workload's length (in
+        whole blocks), and never less than one sequence of the model's full context; 0 for
+        no sequences (attention on the host: no KV buffers)."""
+        if seqs <= 0:
+            return 0
+        blocks = max(seqs * -(-self.seq_len // KV_BLOCK), -(-max(self.cost.max_context, 1) // KV_BLOCK))
         return blocks * KV_BLOCK
 
-    def kv_buffer_bytes(self, b_a: int) -> int:
-        """Both KV buffers (K and V each), as the runtime carves them."""
+    def kv_buffer_bytes(self, seqs: int) -> int:
+        """Both KV buffers (K and V each) for `seqs` sequences, as the runtime carves them."""
+        if seqs <= 0:
+            return 0
         layer_pos = max((lc.kv_bytes_per_ctx for lc in self.cost.layers), default=0)
-        return 2 * self.kv_buffer_tokens(b_a) * layer_pos + 4 * ALIGN
+        return 2 * self.kv_buffer_tokens(seqs) * layer_pos + 4 * ALIGN
 
     def stage_bytes(self, B: int, tps: int) -> int:
         """Staging for hidden states brought to the device: a step has at most B + tps rows."""
@@ -155,58 +202,79 @@ class Solution:
 
 # -- the coefficient tables both the program and the enumeration use -----------------------
 
+DecKey = tuple[float, int]  # decode attention: (host fraction, b_a)
+PreKey = tuple[int, int, int, float]  # prefill: (tps, b_a, b_e, host fraction)
+
+
+def dec_key(ch: Choice) -> DecKey:
+    return (ch.attention[0], ch.b_a)
+
+
+def pre_key(ch: Choice) -> PreKey:
+    return (*ch.prefill, ch.attention[1])
+
+
 @dataclass
 class _Tables:
     B: int
-    b_a: list[int]
+    att: list[DecKey]  # decode attention options
     b_e: list[int]
-    pre: list[tuple[int, int, int]]
+    pre: list[PreKey]
     p: list[int]
     groups: dict[str, int]
-    dec_attn: dict[int, list[int]]  # b_a -> ns per layer
+    dec_attn: dict[DecKey, list[int]]  # ns per layer
+    dec_gate: dict[DecKey, list[int]]  # the host part of attention: expert fetches wait for it (ns per layer)
     dec_ffn: dict[int, list[int]]  # b_e -> ns per layer
-    pre_comp: dict[tuple[int, int, int], list[int]]  # -> ns per layer
+    pre_comp: dict[PreKey, list[int]]  # -> ns per layer
+    pre_gate: dict[PreKey, list[int]]
     dec_head: int
-    pre_head: dict[tuple[int, int, int], int]
-    dec_copy_fixed: list[int]  # KV traffic per layer (ns)
-    pre_copy_fixed: dict[tuple[int, int, int], list[int]]
+    pre_head: dict[PreKey, int]
+    dec_copy_fixed: dict[DecKey, list[int]]  # KV traffic per layer (ns)
+    pre_copy_fixed: dict[PreKey, list[int]]
     fetch_ns: dict[str, dict[str, int]]  # phase -> group -> ns when not resident (per step)
     # the same copies at their modelled length (bytes / rate), before calibration: what a copy
     # steals from compute goes with the bytes it moves, not with its waits
-    dec_steal_fixed: list[int]
-    pre_steal_fixed: dict[tuple[int, int, int], list[int]]
+    dec_steal_fixed: dict[DecKey, list[int]]
+    pre_steal_fixed: dict[PreKey, list[int]]
     steal_fetch_ns: dict[str, dict[str, int]]
+    # (phase, rows, prefetch depth) -> group -> (ns, ns at bytes / rate) of its fetch that the
+    # runtime speculates on (before routing, beside attention); only groups with some
+    spec_ns: dict[tuple[str, int, int], dict[str, tuple[int, int]]]
     dev_fixed: int  # two dense slots
-    dev_b_a: dict[int, int]  # decode temporaries of an attention micro-batch
+    dev_att: dict[DecKey, int]  # decode temporaries of an attention micro-batch
     dev_b_e: dict[int, int]  # decode temporaries of an expert chunk
-    dev_pre: dict[tuple[int, int, int], int]  # prefill temporaries
+    dev_pre: dict[PreKey, int]  # prefill temporaries
     dev_p: dict[int, int]  # expert slots
-    dev_kv_dec: dict[int, int]  # KV buffers for a decode b_a
-    dev_kv_pre: dict[tuple[int, int, int], int]  # KV buffers for a prefill (tps, b_a, b_e)
-    dev_stage: dict[tuple[int, int, int], int]  # staging for B + tps rows
+    dev_kv_dec: dict[DecKey, int]  # KV buffers for a decode option
+    dev_kv_pre: dict[PreKey, int]  # KV buffers for a prefill option
+    dev_stage: dict[PreKey, int]  # staging for B + tps rows
     host_bytes: dict[str, int]  # at the smallest prefill step offered (every offered one fits)
     steal: int  # (1 - copy_overlap) x STEAL_SCALE: compute time a copy-second costs
     w_dec: float  # decode steps per request
-    w_pre: dict[tuple[int, int, int], float]  # prefill steps per request
+    w_pre: dict[PreKey, float]  # prefill steps per request
+    room: int | None = None  # device bytes residency can take at most (None: no device budget)
+    by_layer: dict[int, list[str]] = field(default_factory=dict)  # a layer's residency groups (cached)
 
 
 def _tables(pr: Problem, B: int) -> _Tables:
     """The program's coefficients at batch B: times in ns from the cost model at the
     workload's step shapes, bytes; dominated options dropped when `pr.pareto`."""
     b_a, b_e, pre_tps, p = _options(pr, B)
-    pre = [(t, a, e) for t in pre_tps for a in b_a for e in b_e]
-    times = _times(pr, B, b_a, b_e, pre, max(pre_tps))
-    mem = _memory(pr, B, b_a, b_e, pre, p)
-    # drop dominated options (no faster in any layer and no smaller): they can never be optimal
-    if pr.pareto:
-        b_a, b_e, pre = _prune(pr, b_a, b_e, pre, pre_tps, times["dec_attn"], times["dec_ffn"], times["pre_comp"],
-                               times["pre_head"], {a: (mem["dev_kv_dec"][a], mem["dev_b_a"][a]) for a in b_a},
-                               mem["dev_b_e"],
-                               {k: (mem["dev_kv_pre"][k], mem["dev_pre"][k] + mem["dev_stage"][k]) for k in pre})
+    att = [(h, a) for h in pr.offered_fractions("decode") for a in b_a]
+    pre = [(t, a, e, h) for t in pre_tps for a in b_a for e in b_e for h in pr.offered_fractions("prefill")]
+    times = _times(pr, B, att, b_e, pre, max(pre_tps))
+    times["spec_ns"] = _speculated_times(pr, times["fetch_ns"], times["steal_fetch_ns"],
+                                         [("decode", B)] + [("prefill", t) for t in pre_tps], p)
+    mem = _memory(pr, B, att, b_e, pre, p)
+    if pr.pareto:  # drop dominated options (no faster in any layer and no smaller): they can never be optimal
+        att, b_e, pre = _prune(pre_tps, att, b_e, pre, times, mem)
     host = host_bytes(pr.cost, pr.seq_len, B, min(pre_tps))
-    return _Tables(B=B, b_a=b_a, b_e=b_e, pre=pre, p=p, groups=pr.groups(), **times, **mem, host_bytes=host,
+    room = None
+    if pr.gpu_mem is not None:  # what residency may take at most: the budget less two dense slots and one expert slot
+        room = int(pr.gpu_mem * DEVICE_DERATE) - mem["dev_fixed"] - min(mem["dev_p"].values())
+    return _Tables(B=B, att=att, b_e=b_e, pre=pre, p=p, groups=pr.groups(), **times, **mem, host_bytes=host,
                    steal=int(round((1.0 - pr.rates.copy_overlap) * STEAL_SCALE)), w_dec=pr.output_tokens / B,
-                   w_pre={k: pr.prompt_tokens / k[0] for k in pre})
+                   w_pre={k: pr.prompt_tokens / k[0] for k in pre}, room=room)
 
 
 def tps_offered(pr: Problem, B: int) -> list[int]:
@@ -221,7 +289,7 @@ def tps_offered(pr: Problem, B: int) -> list[int]:
 
 def _options(pr: Problem, B: int) -> tuple[list[int], list[int], list[int], list[int]]:
     """The values offered at batch B: decode b_a, b_e, prompt tokens per prefill step, prefetch depth."""
-    c, r = pr.cost, pr.rates
+    r = pr.rates
     b_a = sorted({max(1, B >> i) for i in range(pr.b_a_options_max)})
     b_e = [e for e in pr.b_e_options] or [4096]
     pre_tps = tps_offered(pr, B)
@@ -238,25 +306,50 @@ def _ns(seconds: float) -> int:
     return int(round(seconds * US))
 
 
-def _times(pr: Problem, B: int, b_a: list[int], b_e: list[int], pre: list[tuple[int, int, int]],
+def _times(pr: Problem, B: int, att: list[DecKey], b_e: list[int], pre: list[PreKey],
            max_tps: int) -> dict[str, Any]:
     """The time fields of `_Tables` (ns), each from the cost model."""
     cm, wl = pr.cost_model(), pr.workload
     dec = wl.decode_shape(B)
+    parts = {k: cm.attention_parts(dec, k[1], k[0]) for k in att}
     out: dict[str, Any] = {
-        "dec_attn": {a: [_ns(t) for t in cm.attention_s(dec, a)] for a in b_a},
+        "dec_attn": {k: [_ns(t) for t in parts[k][0]] for k in att},
+        "dec_gate": {k: [_ns(t) for t in parts[k][1]] for k in att},
         "dec_ffn": {e: [_ns(t) for t in cm.ffn_s(B, e)] for e in b_e},
-        "dec_head": _ns(cm.head_s(B)), "pre_comp": {}, "pre_head": {}, "pre_copy_fixed": {}, "pre_steal_fixed": {}}
-    for t, a, e in pre:
-        sh = wl.prefill_shape(t)
-        out["pre_comp"][(t, a, e)] = [_ns(x + y) for x, y in zip(cm.attention_s(sh, a), cm.ffn_s(t, e))]
-        out["pre_head"][(t, a, e)] = _ns(cm.head_s(sh.head_rows))
-        copy, moved = cm.kv_load_s(sh)
-        out["pre_copy_fixed"][(t, a, e)] = [_ns(x) for x in copy]
-        out["pre_steal_fixed"][(t, a, e)] = [_ns(x) for x in moved]
-    copy, moved = cm.kv_load_s(dec)
-    out["dec_copy_fixed"], out["dec_steal_fixed"] = [_ns(x) for x in copy], [_ns(x) for x in moved]
+        "dec_head": _ns(cm.head_s(B)), "dec_copy_fixed": {}, "dec_steal_fixed": {}}
+    for h in {k[0] for k in att}:
+        copy, moved = cm.kv_load_s(dec, h)
+        for k in att:
+            if k[0] == h:
+                out["dec_copy_fixed"][k], out["dec_steal_fixed"][k] = [_ns(x) for x in copy], [_ns(x) for x in moved]
+    out.update(_prefill_times(cm, wl, pre))
     out["fetch_ns"], out["steal_fetch_ns"] = _fetch_times(pr, cm, {"decode": B, "prefill": max_tps})
+    return out
+
+
+def _prefill_times(cm: CostModel, wl: Workload, pre: list[PreKey]) -> dict[str, dict[PreKey, Any]]:
+    """The prefill time fields of `_Tables` (ns); attention, KV loads and the expert chunks
+    each computed once per distinct shape they depend on."""
+    att: dict[tuple[int, int, float], tuple[list[float], list[float]]] = {}
+    ffn: dict[tuple[int, int], list[float]] = {}
+    kv: dict[tuple[int, float], tuple[list[float], list[float]]] = {}
+    out: dict[str, dict[PreKey, Any]] = {k: {} for k in ("pre_comp", "pre_gate", "pre_head", "pre_copy_fixed",
+                                                         "pre_steal_fixed")}
+    for k in pre:
+        t, a, e, h = k
+        sh = wl.prefill_shape(t)
+        if (t, a, h) not in att:
+            att[(t, a, h)] = cm.attention_parts(sh, a, h)
+        if (t, e) not in ffn:
+            ffn[(t, e)] = cm.ffn_s(t, e)
+        if (t, h) not in kv:
+            kv[(t, h)] = cm.kv_load_s(sh, h)
+        attn, gate = att[(t, a, h)]
+        out["pre_comp"][k] = [_ns(x + y) for x, y in zip(attn, ffn[(t, e)])]
+        out["pre_gate"][k] = [_ns(x) for x in gate]
+        out["pre_head"][k] = _ns(cm.head_s(sh.head_rows))
+        out["pre_copy_fixed"][k] = [_ns(x) for x in kv[(t, h)][0]]
+        out["pre_steal_fixed"][k] = [_ns(x) for x in kv[(t, h)][1]]
     return out
 
 
@@ -277,30 +370,66 @@ def _fetch_times(pr: Problem, cm: CostModel, rows: dict[str, int]) -> tuple[dict
     return fetch, moved
 
 
-def _memory(pr: Problem, B: int, b_a: list[int], b_e: list[int], pre: list[tuple[int, int, int]],
+def _speculated_times(pr: Problem, fetch: dict[str, dict[str, int]], moved: dict[str, dict[str, int]],
+                      steps: list[tuple[str, int]], p: list[int]) -> dict[tuple[str, int, int], dict[str, tuple[int, int]]]:
+    """Per (phase, rows of its step, prefetch depth): each expert group's part of its fetch
+    (calibrated, and at bytes / rate) that the runtime speculates on, fetched beside attention
+    before routing (schedule.speculated_experts: min(p + 1, experts in use) of them, when the
+    step's rows make every expert almost surely chosen). Groups without any are left out."""
+    out: dict[tuple[str, int, int], dict[str, tuple[int, int]]] = {}
+    groups = pr.groups()
+    for (phase, rows), q in itertools.product(steps, p):
+        got = out[(phase, rows, q)] = {}
+        for lc in pr.cost.layers:
+            g = expert_group(lc.layer)
+            n = speculated_experts(lc, rows, q + 1) if g in groups else 0.0
+            if n > 0:
+                share = n / experts_in_use(lc, rows)
+                got[g] = (int(round(fetch[phase][g] * share)), int(round(moved[phase][g] * share)))
+    return out
+
+
+def _memory(pr: Problem, B: int, att: list[DecKey], b_e: list[int], pre: list[PreKey],
             p: list[int]) -> dict[str, Any]:
     """The device-memory fields of `_Tables` (bytes)."""
     c, it = pr.cost, pr.cost.itemsize
+    wl = pr.workload
+
+    def kv_pre(k: PreKey) -> int:
+        return pr.kv_buffer_bytes(pr.kv_buffer_seqs(wl.prefill_shape(k[0]).S, k[3], k[1]))
+
     return {
         "dev_fixed": 2 * c.dense_slot_bytes if pr.copies else 0,
-        "dev_b_a": {a: a * c.hidden * 6 * it for a in b_a},
+        "dev_att": {k: k[1] * c.hidden * 6 * it for k in att},
         "dev_b_e": {e: e * c.act_bytes_per_token for e in b_e},
-        "dev_pre": {(t, a, e): min(t, a * max(1, int(pr.prompt_tokens))) * c.hidden * 6 * it + e * c.act_bytes_per_token
-                    for t, a, e in pre},
+        "dev_pre": {k: min(k[0], k[1] * max(1, int(pr.prompt_tokens))) * c.hidden * 6 * it
+                    + k[2] * c.act_bytes_per_token for k in pre},
         "dev_p": {q: (q + 1) * c.expert_slot_bytes for q in p},
-        "dev_kv_dec": {a: pr.kv_buffer_bytes(a) for a in b_a},
-        "dev_kv_pre": {k: pr.kv_buffer_bytes(k[1]) for k in pre},
+        "dev_kv_dec": {k: pr.kv_buffer_bytes(pr.kv_buffer_seqs(B, k[0], k[1])) for k in att},
+        "dev_kv_pre": {k: kv_pre(k) for k in pre},
         "dev_stage": {k: pr.stage_bytes(B, k[0]) for k in pre},
     }
 
 
-def _prune(pr, b_a, b_e, pre, pre_tps, dec_attn, dec_ffn, pre_comp, pre_head, dev_b_a, dev_b_e, dev_pre):
-    """dev_b_a / dev_pre: memory tuples (KV buffers, the rest); dev_b_e: bytes."""
-    b_a = _pareto(b_a, lambda a: dec_attn[a], lambda a: dev_b_a[a])
-    b_e = _pareto(b_e, lambda e: dec_ffn[e], lambda e: (dev_b_e[e],))
-    pre = [k for t in pre_tps for k in _pareto([k for k in pre if k[0] == t],
-                                               lambda k: pre_comp[k] + [pre_head[k]], lambda k: dev_pre[k])]
-    return b_a, b_e, pre
+def _prune(pre_tps: list[int], att: list[DecKey], b_e: list[int], pre: list[PreKey], times: dict[str, Any],
+           mem: dict[str, Any]) -> tuple[list[DecKey], list[int], list[PreKey]]:
+    """The options no other option dominates: in every layer's compute, host part (gate) and
+    KV copy times (with what they steal), and in each memory component (KV buffers, the
+    phase's own temporaries)."""
+    def dec_times(k: DecKey) -> list[int]:
+        return times["dec_attn"][k] + times["dec_gate"][k] + times["dec_copy_fixed"][k] + times["dec_steal_fixed"][k]
+
+    def pre_times(k: PreKey) -> list[int]:
+        return (times["pre_comp"][k] + [times["pre_head"][k]] + times["pre_gate"][k] + times["pre_copy_fixed"][k]
+                + times["pre_steal_fixed"][k])
+
+    att = _pareto(att, dec_times, lambda k: (mem["dev_kv_dec"][k], mem["dev_att"][k]))
+    b_e = _pareto(b_e, lambda e: times["dec_ffn"][e], lambda e: (mem["dev_b_e"][e],))
+    def pre_mem(k: PreKey) -> tuple[int, int]:
+        return mem["dev_kv_pre"][k], mem["dev_pre"][k] + mem["dev_stage"][k]
+
+    pre = [k for t in pre_tps for k in _pareto([k for k in pre if k[0] == t], pre_times, pre_mem)]
+    return att, b_e, pre
 
 
 def _pareto(options: list, times, mem) -> list:
@@ -311,20 +440,16 @@ def _pareto(options: list, times, mem) -> list:
     def le(a: tuple, b: tuple) -> bool:
         return all(x <= y for x, y in zip(a, b))
 
+    priced = [(times(o), mem(o)) for o in options]
     keep = []
-    for o in options:
-        to, mo = times(o), mem(o)
+    for j, (to, mo) in enumerate(priced):
         dominated = False
-        for q in options:
-            if q is o:
-                continue
-            tq, mq = times(q), mem(q)
-            if le(mq, mo) and all(a <= b for a, b in zip(tq, to)) and (mq != mo or tq != to or
-                                                                        options.index(q) < options.index(o)):
+        for q, (tq, mq) in enumerate(priced):
+            if q != j and le(mq, mo) and le(tq, to) and (mq != mo or tq != to or q < j):
                 dominated = True
                 break
         if not dominated:
-            keep.append(o)
+            keep.append(options[j])
     return keep
 
 
@@ -332,19 +457,40 @@ def _signature(lc) -> tuple:
     return tuple(v for k, v in vars(lc).items() if k != "layer")
 
 
-def _lower_bound(tb: _Tables, pre: list[tuple[int, int, int]]) -> float:
-    """Seconds per request with every weight resident and no memory limit: no choice of
-    residency, slots or budget can do better."""
-    L = len(tb.dec_copy_fixed)
-    dec = min(sum(max(tb.dec_attn[a][i] + tb.dec_ffn[e][i], tb.dec_copy_fixed[i]) for i in range(L))
-              for a in tb.b_a for e in tb.b_e) + tb.dec_head
-    pre_t = min(sum(max(tb.pre_comp[k][i], tb.pre_copy_fixed[k][i]) for i in range(L)) + tb.pre_head[k]
-                for k in pre)
+def _lower_bound(tb: _Tables, pre: list[PreKey]) -> float:
+    """Seconds per request that no choice of residency, slots or sizes can beat: each layer
+    no faster than its compute, KV copies or host attention alone, and a step's copies no
+    shorter than its KV loads plus the fetches of what the device budget cannot keep."""
+    L = len(tb.dec_ffn[tb.b_e[0]])
+    dec = min(sum(max(tb.dec_attn[k][i] + tb.dec_ffn[e][i], tb.dec_copy_fixed[k][i], tb.dec_gate[k][i])
+                  for i in range(L)) for k in tb.att for e in tb.b_e)
+    dec = max(dec, min(sum(tb.dec_copy_fixed[k]) for k in tb.att) + _fetch_floor(tb, "decode")) + tb.dec_head
+    pre_t = min(sum(max(tb.pre_comp[k][i], tb.pre_copy_fixed[k][i], tb.pre_gate[k][i]) for i in range(L))
+                + tb.pre_head[k] for k in pre)
+    pre_t = max(pre_t, min(sum(tb.pre_copy_fixed[k]) + tb.pre_head[k] for k in pre) + _fetch_floor(tb, "prefill"))
     return (tb.w_dec * dec + tb.w_pre[pre[0]] * pre_t) / US
 
 
+def _fetch_floor(tb: _Tables, phase: str) -> int:
+    """The least a step's weight fetches can take (ns): every group's fetch but what the
+    device room can hold, kept in order of fetch time saved per byte (fractional knapsack)."""
+    if tb.room is None:
+        return 0
+    total = sum(tb.fetch_ns[phase].values())
+    room, saved = max(0, tb.room), 0.0
+    for g in sorted(tb.groups, key=lambda g: -tb.fetch_ns[phase][g] / max(1, tb.groups[g])):
+        take = min(room, tb.groups[g])
+        saved += tb.fetch_ns[phase][g] * take / max(1, tb.groups[g])
+        room -= take
+        if room <= 0:
+            break
+    return int(max(0.0, total - saved))
+
+
 def _layer_groups(tb: _Tables, layer: int) -> list[str]:
-    return [g for g in tb.groups if g.startswith(f"L{layer}.")]
+    if layer not in tb.by_layer:
+        tb.by_layer[layer] = [g for g in tb.groups if g.startswith(f"L{layer}.")]
+    return tb.by_layer[layer]
 
 
 # -- CP-SAT --------------------------------------------------------------------------------
@@ -378,11 +524,11 @@ def solve_for_batch(pr: Problem, B: int, time_limit_s: float = 10.0, bound: floa
     return best
 
 
-def _cp_sat(pr: Problem, tb: _Tables, pre: list[tuple[int, int, int]], time_limit_s: float) -> Solution | None:
+def _cp_sat(pr: Problem, tb: _Tables, pre: list[PreKey], time_limit_s: float) -> Solution | None:
     from ortools.sat.python import cp_model
 
     m = cp_model.CpModel()
-    xa = {a: m.NewBoolVar(f"dec_b_a={a}") for a in tb.b_a}
+    xa = {k: m.NewBoolVar(f"dec_attention={k}") for k in tb.att}
     xe = {e: m.NewBoolVar(f"dec_b_e={e}") for e in tb.b_e}
     z = {k: m.NewBoolVar(f"pre={k}") for k in pre}
     y = {q: m.NewBoolVar(f"prefetch={q}") for q in tb.p}
@@ -398,26 +544,9 @@ def _cp_sat(pr: Problem, tb: _Tables, pre: list[tuple[int, int, int]], time_limi
                 ga, gb = f"L{a.layer}.{kind}", f"L{b.layer}.{kind}"
                 if ga in rg and gb in rg:
                     m.Add(rg[ga] >= rg[gb])
-    L = len(pr.cost.layers)
     phase_T = {}
     for phase in ("decode", "prefill"):
-        ts = []
-        for i in range(L):
-            if phase == "decode":
-                comp = sum(xa[a] * tb.dec_attn[a][i] for a in tb.b_a) + sum(xe[e] * tb.dec_ffn[e][i] for e in tb.b_e)
-                fixed, fixed_steal = tb.dec_copy_fixed[i], tb.dec_steal_fixed[i]
-            else:
-                comp = sum(z[k] * tb.pre_comp[k][i] for k in pre)
-                fixed = sum(z[k] * tb.pre_copy_fixed[k][i] for k in pre)
-                fixed_steal = sum(z[k] * tb.pre_steal_fixed[k][i] for k in pre)
-            copy = fixed + sum((1 - rg[g]) * tb.fetch_ns[phase][g] for g in _layer_groups(tb, i))
-            moved = fixed_steal + sum((1 - rg[g]) * tb.steal_fetch_ns[phase][g] for g in _layer_groups(tb, i))
-            t = m.NewIntVar(0, T_MAX, f"t_{phase}_{i}")
-            m.Add(STEAL_SCALE * t >= STEAL_SCALE * comp + tb.steal * moved)  # copies steal compute
-            m.Add(t >= copy)
-            if 0 in y:  # no prefetch: a layer's fetches and compute do not overlap
-                m.Add(t >= comp + copy - T_MAX * (1 - y[0]))
-            ts.append(t)
+        ts = [_layer_time(m, tb, phase, i, (xa, xe, z, y, rg), pre) for i in range(len(layers))]
         head = tb.dec_head if phase == "decode" else sum(z[k] * tb.pre_head[k] for k in pre)
         if "head" in rg:
             head = head + (1 - rg["head"]) * tb.fetch_ns[phase]["head"]
@@ -425,16 +554,7 @@ def _cp_sat(pr: Problem, tb: _Tables, pre: list[tuple[int, int, int]], time_limi
         m.Add(T == sum(ts) + head)
         phase_T[phase] = T
     if pr.gpu_mem is not None:
-        budget = int(pr.gpu_mem * DEVICE_DERATE)
-        res = sum(rg[g] * b for g, b in tb.groups.items())
-        slots = sum(y[q] * tb.dev_p[q] for q in tb.p)
-        kv = m.NewIntVar(0, budget, "kv_buffers")  # one arena for both phases: the larger b_a's
-        m.Add(kv >= sum(xa[a] * tb.dev_kv_dec[a] for a in tb.b_a))
-        m.Add(kv >= sum(z[k] * tb.dev_kv_pre[k] for k in pre))
-        arena = res + slots + tb.dev_fixed + kv + sum(z[k] * tb.dev_stage[k] for k in pre)
-        m.Add(arena + sum(xa[a] * tb.dev_b_a[a] for a in tb.b_a) + sum(xe[e] * tb.dev_b_e[e] for e in tb.b_e)
-              <= budget)
-        m.Add(arena + sum(z[k] * tb.dev_pre[k] for k in pre) <= budget)
+        _device_budget(m, tb, int(pr.gpu_mem * DEVICE_DERATE), (xa, xe, z, y, rg), pre)
     # integer weights in proportion to the steps per request (largest 10^4: keeps CP-SAT's
     # arithmetic far from int64 limits; relative rounding <= 1e-4)
     scale = 1e4 / max(tb.w_dec, tb.w_pre[pre[0]])
@@ -448,17 +568,95 @@ def _cp_sat(pr: Problem, tb: _Tables, pre: list[tuple[int, int, int]], time_limi
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     pick = lambda d: next(k for k, v in d.items() if solver.Value(v))  # noqa: E731
-    choice = Choice(tb.B, pick(xa), pick(xe), pick(z), pick(y),
-                    frozenset(g for g, v in rg.items() if solver.Value(v)))
+    (h_dec, b_a), (tps, pa, pe, h_pre) = pick(xa), pick(z)
+    choice = Choice(tb.B, b_a, pick(xe), (tps, pa, pe), pick(y),
+                    frozenset(g for g, v in rg.items() if solver.Value(v)), (h_dec, h_pre))
     sol = _describe(pr, tb, choice)
     sol.status = "optimal" if status == cp_model.OPTIMAL else "feasible (time limit)"
     return sol
 
 
+def _layer_time(m: Any, tb: _Tables, phase: str, i: int, v: tuple[dict, ...], pre: list[PreKey]) -> Any:
+    """Layer i's time variable in `phase` under its constraints (the formulation above); `v`:
+    the one-hot decode attention and b_e, prefill, prefetch and residency variables."""
+    xa, xe, z, y, rg = v
+    if phase == "decode":
+        comp = sum(xa[k] * tb.dec_attn[k][i] for k in tb.att) + sum(xe[e] * tb.dec_ffn[e][i] for e in tb.b_e)
+        fixed = sum(xa[k] * tb.dec_copy_fixed[k][i] for k in tb.att)
+        fixed_steal = sum(xa[k] * tb.dec_steal_fixed[k][i] for k in tb.att)
+        gate = sum(xa[k] * tb.dec_gate[k][i] for k in tb.att)
+    else:
+        comp = sum(z[k] * tb.pre_comp[k][i] for k in pre)
+        fixed = sum(z[k] * tb.pre_copy_fixed[k][i] for k in pre)
+        fixed_steal = sum(z[k] * tb.pre_steal_fixed[k][i] for k in pre)
+        gate = sum(z[k] * tb.pre_gate[k][i] for k in pre)
+    groups, routed = _layer_groups(tb, i), _routed_groups(tb, i)
+    rows = _rows(tb, phase, pre)
+    copy = fixed + sum((1 - rg[g]) * tb.fetch_ns[phase][g] for g in groups)
+    moved = fixed_steal + sum((1 - rg[g]) * tb.steal_fetch_ns[phase][g] for g in groups)
+    spec = {q: _speculated(tb, phase, rows, q, routed) for q in tb.p}
+    t = m.NewIntVar(0, T_MAX, f"t_{phase}_{i}")
+    m.Add(STEAL_SCALE * t >= STEAL_SCALE * comp + tb.steal * moved)  # copies steal compute
+    m.Add(t >= copy)
+    # host attention, then the router, then the fetches of what it chose (but those the
+    # runtime speculated on, beside attention: the first p + 1 experts, with y[p])
+    if not any(spec.values()):
+        m.Add(t >= gate + sum((1 - rg[g]) * tb.fetch_ns[phase][g] for g in routed))
+    else:
+        for q in tb.p:
+            m.Add(t >= gate + sum((1 - rg[g]) * (tb.fetch_ns[phase][g] - spec[q].get(g, (0, 0))[0])
+                                  for g in routed)).OnlyEnforceIf(y[q])
+    if 0 in y and not spec[0]:  # no prefetch: a layer's fetches and compute do not overlap
+        m.Add(t >= comp + copy - T_MAX * (1 - y[0]))
+    elif 0 in y:  # ... but the speculated fetch, which runs beside attention and steals from it
+        m.Add(STEAL_SCALE * t >= STEAL_SCALE * (comp + copy - sum((1 - rg[g]) * s for g, (s, _) in spec[0].items()))
+              + tb.steal * sum((1 - rg[g]) * r for g, (_, r) in spec[0].items())).OnlyEnforceIf(y[0])
+    return t
+
+
+def _rows(tb: _Tables, phase: str, pre: list[PreKey]) -> int:
+    """The rows of a step of `phase` in one CP-SAT program (decode: B; prefill: its one tps)."""
+    if phase == "decode":
+        return tb.B
+    tps = {k[0] for k in pre}
+    assert len(tps) == 1, "one CP-SAT program per prompt tokens per step"
+    return tps.pop()
+
+
+def _speculated(tb: _Tables, phase: str, rows: int, q: int, groups: list[str]) -> dict[str, tuple[int, int]]:
+    """Of `groups`, those the runtime speculates on at prefetch depth q, with their speculated
+    fetch (ns, ns at bytes / rate)."""
+    spec = tb.spec_ns.get((phase, rows, q), {})
+    return {g: spec[g] for g in groups if g in spec}
+
+
+def _device_budget(m: Any, tb: _Tables, budget: int, v: tuple[dict, ...], pre: list[PreKey]) -> None:
+    """The arena and each phase's temporaries within the device budget."""
+    xa, xe, z, y, rg = v
+    res = sum(rg[g] * b for g, b in tb.groups.items())
+    slots = sum(y[q] * tb.dev_p[q] for q in tb.p)
+    kv = m.NewIntVar(0, budget, "kv_buffers")  # one arena for both phases: the larger KV buffers
+    m.Add(kv >= sum(xa[k] * tb.dev_kv_dec[k] for k in tb.att))
+    m.Add(kv >= sum(z[k] * tb.dev_kv_pre[k] for k in pre))
+    arena = res + slots + tb.dev_fixed + kv + sum(z[k] * tb.dev_stage[k] for k in pre)
+    m.Add(arena + sum(xa[k] * tb.dev_att[k] for k in tb.att) + sum(xe[e] * tb.dev_b_e[e] for e in tb.b_e)
+          <= budget)
+    m.Add(arena + sum(z[k] * tb.dev_pre[k] for k in pre) <= budget)
+
+
+def _routed_groups(tb: _Tables, layer: int) -> list[str]:
+    """Layer `layer`'s groups fetched once its router has run: its experts (but those the
+    runtime speculates on, `_Tables.spec_ns`; a dense layer: its MLP, fetched after the
+    router job the schedule gives every layer)."""
+    experts = f"L{layer}.experts"
+    if experts in tb.groups:
+        return [experts]
+    return [g for g in (f"L{layer}.dense",) if g in tb.groups]
+
+
 def _evaluate(pr: Problem, tb: _Tables, ch: Choice) -> tuple[float, int, int, list[str]] | None:
     """The linear model's (objective, T_decode, T_prefill, binding terms) for a choice, or
     None when it breaks a memory budget."""
-    L = len(pr.cost.layers)
     dev = _device_bytes(pr, tb, ch)
     if pr.gpu_mem is not None and max(dev["decode_total"], dev["prefill_total"]) > int(pr.gpu_mem * DEVICE_DERATE):
         return None
@@ -466,38 +664,61 @@ def _evaluate(pr: Problem, tb: _Tables, ch: Choice) -> tuple[float, int, int, li
     Ts = {}
     for phase in ("decode", "prefill"):
         total = 0
-        for i in range(L):
+        for i in range(len(pr.cost.layers)):
+            t, why = _layer_value(tb, ch, phase, i)
             if phase == "decode":
-                comp = tb.dec_attn[ch.b_a][i] + tb.dec_ffn[ch.b_e][i]
-                copy, moved = tb.dec_copy_fixed[i], tb.dec_steal_fixed[i]
-            else:
-                comp = tb.pre_comp[ch.prefill][i]
-                copy, moved = tb.pre_copy_fixed[ch.prefill][i], tb.pre_steal_fixed[ch.prefill][i]
-            copy += sum(tb.fetch_ns[phase][g] for g in _layer_groups(tb, i) if g not in ch.resident)
-            moved += sum(tb.steal_fetch_ns[phase][g] for g in _layer_groups(tb, i) if g not in ch.resident)
-            t = comp + copy if ch.prefetch == 0 else max(comp + tb.steal * moved / STEAL_SCALE, copy)
-            if phase == "decode":
-                binding.append(f"L{i} decode: {'compute+copy (no prefetch)' if ch.prefetch == 0 and copy else 'copy' if copy > comp else 'compute'}")
+                binding.append(f"L{i} decode: {why}")
             total += t
-        head = tb.dec_head if phase == "decode" else tb.pre_head[ch.prefill]
+        head = tb.dec_head if phase == "decode" else tb.pre_head[pre_key(ch)]
         if "head" in tb.groups and "head" not in ch.resident:
             head += tb.fetch_ns[phase]["head"]
         Ts[phase] = total + head
-    obj = (tb.w_dec * Ts["decode"] + tb.w_pre[ch.prefill] * Ts["prefill"]) / US
+    obj = (tb.w_dec * Ts["decode"] + tb.w_pre[pre_key(ch)] * Ts["prefill"]) / US
     return obj, Ts["decode"], Ts["prefill"], binding
+
+
+def _layer_value(tb: _Tables, ch: Choice, phase: str, i: int) -> tuple[float, str]:
+    """Layer i's time in `phase` under choice `ch` (the linear model) and what binds it."""
+    if phase == "decode":
+        k = dec_key(ch)
+        comp = tb.dec_attn[k][i] + tb.dec_ffn[ch.b_e][i]
+        copy, moved, gate = tb.dec_copy_fixed[k][i], tb.dec_steal_fixed[k][i], tb.dec_gate[k][i]
+    else:
+        k = pre_key(ch)
+        comp = tb.pre_comp[k][i]
+        copy, moved, gate = tb.pre_copy_fixed[k][i], tb.pre_steal_fixed[k][i], tb.pre_gate[k][i]
+    fetched = [g for g in _layer_groups(tb, i) if g not in ch.resident]
+    routed = [g for g in _routed_groups(tb, i) if g not in ch.resident]
+    rows = tb.B if phase == "decode" else ch.prefill[0]
+    spec = _speculated(tb, phase, rows, ch.prefetch, routed)
+    copy += sum(tb.fetch_ns[phase][g] for g in fetched)
+    moved += sum(tb.steal_fetch_ns[phase][g] for g in fetched)
+    gated = gate + sum(tb.fetch_ns[phase][g] - spec.get(g, (0, 0))[0] for g in routed)
+    stolen = comp + tb.steal * moved / STEAL_SCALE
+    if ch.prefetch == 0:
+        if not spec:
+            return comp + copy, "compute+copy (no prefetch)" if copy else "compute"
+        serial = comp + copy - sum(s for s, _ in spec.values()) + tb.steal * sum(r for _, r in spec.values()) / STEAL_SCALE
+        t = max(serial, stolen, copy, gated)
+        return t, "compute+copy (no prefetch)" if t == serial else "copy" if t == copy else "compute"
+    t = max(stolen, copy, gated)
+    if gated > max(stolen, copy):
+        return t, "host attention, then expert fetch"
+    return t, "copy" if copy > comp else "compute"
 
 
 def _device_bytes(pr: Problem, tb: _Tables, ch: Choice) -> dict[str, int]:
     res = sum(b for g, b in tb.groups.items() if g in ch.resident)
+    dk, pk = dec_key(ch), pre_key(ch)
+    dec_tmp, pre_tmp = tb.dev_att[dk] + tb.dev_b_e[ch.b_e], tb.dev_pre[pk]
     if not pr.copies:  # no budget: no arena, weights are read in place
         return {"resident_weights": 0, "expert_slots": 0, "dense_slots": 0, "kv_buffers": 0, "staging": 0,
-                "arena": 0, "decode_temporaries": tb.dev_b_a[ch.b_a] + tb.dev_b_e[ch.b_e],
-                "prefill_temporaries": tb.dev_pre[ch.prefill], "decode_total": 0, "prefill_total": 0}
-    kv = max(tb.dev_kv_dec[ch.b_a], tb.dev_kv_pre[ch.prefill])
-    arena = res + tb.dev_p[ch.prefetch] + tb.dev_fixed + kv + tb.dev_stage[ch.prefill]
-    dec_tmp, pre_tmp = tb.dev_b_a[ch.b_a] + tb.dev_b_e[ch.b_e], tb.dev_pre[ch.prefill]
+                "arena": 0, "decode_temporaries": dec_tmp, "prefill_temporaries": pre_tmp, "decode_total": 0,
+                "prefill_total": 0}
+    kv = max(tb.dev_kv_dec[dk], tb.dev_kv_pre[pk])
+    arena = res + tb.dev_p[ch.prefetch] + tb.dev_fixed + kv + tb.dev_stage[pk]
     return {"resident_weights": res, "expert_slots": tb.dev_p[ch.prefetch], "dense_slots": tb.dev_fixed,
-            "kv_buffers": kv, "staging": tb.dev_stage[ch.prefill], "arena": arena,
+            "kv_buffers": kv, "staging": tb.dev_stage[pk], "arena": arena,
             "decode_temporaries": dec_tmp, "prefill_temporaries": pre_tmp,
             "decode_total": arena + dec_tmp, "prefill_total": arena + pre_tmp}
 
@@ -531,9 +752,9 @@ def _enumerate(pr: Problem, tb: _Tables) -> Solution | None:
     B = tb.B
     best: tuple[int, Choice] | None = None
     gs = list(tb.groups)
-    for a, e, k, q in itertools.product(tb.b_a, tb.b_e, tb.pre, tb.p):
+    for (h, a), e, (t, pa, pe, ph), q in itertools.product(tb.att, tb.b_e, tb.pre, tb.p):
         for bits in itertools.product((0, 1), repeat=len(gs)):
-            ch = Choice(B, a, e, k, q, frozenset(g for g, b in zip(gs, bits) if b))
+            ch = Choice(B, a, e, (t, pa, pe), q, frozenset(g for g, b in zip(gs, bits) if b), (h, ph))
             ev = _evaluate(pr, tb, ch)
             if ev is not None and (best is None or ev[0] < best[0]):
                 best = (ev[0], ch)
@@ -542,14 +763,15 @@ def _enumerate(pr: Problem, tb: _Tables) -> Solution | None:
 
 def minimum_device_bytes(pr: Problem) -> int:
     """Device bytes of the smallest choice the program can make (B = 1, nothing resident,
-    the smallest b_a, b_e, prefill step and prefetch depth): below this nothing fits."""
+    the smallest b_a, b_e, prefill step and prefetch depth, attention on the host when that
+    is offered): below this nothing fits."""
     import dataclasses
 
     tb = _tables(dataclasses.replace(pr, pareto=False, gpu_mem=pr.gpu_mem or 1), 1)
     k = min(tb.pre, key=lambda k: tb.dev_pre[k] + tb.dev_kv_pre[k] + tb.dev_stage[k])
     common = tb.dev_fixed + min(tb.dev_p.values()) + tb.dev_stage[k]
     kv = max(min(tb.dev_kv_dec.values()), tb.dev_kv_pre[k])
-    dec = min(tb.dev_b_a.values()) + min(tb.dev_b_e.values())
+    dec = min(tb.dev_att.values()) + min(tb.dev_b_e.values())
     return common + kv + max(dec, tb.dev_pre[k])
 
 
@@ -585,15 +807,17 @@ def solve(pr: Problem, time_limit_s: float = 10.0) -> Solution | None:
     if best is not None:
         best = _widen_chunks(pr, best)
         best.candidates = sorted(tried, key=lambda d: d["B"])
-        best.variables = _variables(tables[best.choice.B])
+        best.variables = _variables(pr, tables[best.choice.B])
         best.solve_s = time.perf_counter() - t0
     return best
 
 
-def _variables(tb: _Tables) -> dict[str, Any]:
+def _variables(pr: Problem, tb: _Tables) -> dict[str, Any]:
     """The program's choices at one B (after dropping dominated options), for the plan."""
-    return {"decode b_a": tb.b_a, "decode b_e": tb.b_e, "prefill (tps, b_a, b_e)": len(tb.pre),
-            "prefetch depth": tb.p, "residency booleans": len(tb.groups)}
+    return {"attention host fractions offered": {ph: list(pr.offered_fractions(ph)) for ph in ("decode", "prefill")},
+            "decode (host fraction, b_a)": tb.att, "decode b_e": tb.b_e,
+            "prefill (tps, b_a, b_e, host fraction)": len(tb.pre), "prefetch depth": tb.p,
+            "residency booleans": len(tb.groups)}
 
 
 def _widen_chunks(pr: Problem, sol: Solution) -> Solution:
@@ -617,7 +841,7 @@ def _widen_chunks(pr: Problem, sol: Solution) -> Solution:
             ch = trial
             break
     t, a, e0 = ch.prefill
-    for e in sorted({k[2] for k in tb.pre if k[0] == t and k[1] == a}, reverse=True):
+    for e in sorted({k[2] for k in tb.pre if k[:2] == (t, a) and k[3] == ch.attention[1]}, reverse=True):
         if e <= e0:
             break
         trial = dataclasses.replace(ch, prefill=(t, a, e))

@@ -40,6 +40,8 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
                   for phase in ("prefill", "decode")},
         "overlap": batch.get("overlap"),
         "workload": batch.get("workload"),
+        "attention": attention_report(plan),
+        "expert_prefetch": pred.get("expert_prefetch"),
     }
     if prompts is not None:
         out["eta"] = _eta(plan, prompts, model_dir, default_max_tokens, out, plan_path)
@@ -89,10 +91,12 @@ def format_explain(rep: dict[str, Any]) -> str:
     if rep.get("job_tokens_per_s"):
         lines.append(f"  job      {rep['job_tokens_per_s']:12.1f} generated tok/s for the compiled workload "
                      f"{rep.get('workload')}")
+    lines += attention_lines(rep.get("attention"))
     ov = rep.get("overlap")
     if ov:
         lines.append(f"  overlap: {ov.get('expert_slots')} expert slots, prefetch depth {ov.get('prefetch')}, "
                      f"resident: {', '.join(ov.get('resident') or []) or 'none'}")
+    lines += expert_prefetch_lines(rep.get("expert_prefetch"))
     for side in ("device", "host"):
         d = rep[f"{side}_bytes"]
         if not d:
@@ -109,6 +113,92 @@ def format_explain(rep: dict[str, Any]) -> str:
     if rep.get("measured"):
         lines.append(format_comparison(rep["measured"]))
     return "\n".join(lines)
+
+
+def attention_report(plan: dict[str, Any]) -> dict[str, Any]:
+    """Per phase: where attention runs (the plan's placement) and, when the plan predicted
+    them, the rates of the placements not chosen and the facts behind the choice."""
+    pred = (plan.get("predicted") or {}).get("attention") or {}
+    out: dict[str, Any] = {"forced": pred.get("forced"), "device_kind": pred.get("device_kind")}
+    for phase in ("decode", "prefill"):
+        placed = plan["batch"][phase].get("attention") or {"where": "device", "host_fraction": 0.0}
+        out[phase] = {**(pred.get(phase) or {}), **placed}
+    return out
+
+
+def attention_lines(att: dict[str, Any] | None) -> list[str]:
+    """One line per phase: where attention runs, its predicted tok/s, the other placements'
+    and why, e.g. "attention (decode): host, 469 tok/s predicted; on the device 195 tok/s:
+    the KV of 512 sequences (...) crosses the host link in ... a layer; ..."."""
+    if not att:
+        return []
+    lines = []
+    forced = f" (forced by {att['forced']})" if att.get("forced") else ""
+    for phase in ("decode", "prefill"):
+        a = att.get(phase) or {}
+        where = a.get("where", "device")
+        head = where if where != "split" else (f"split: the first {a['host_fraction']:.0%} of each step's sequences "
+                                               f"on the host, the rest on the device at once")
+        rate = f", {a['tokens_per_s']:.0f} tok/s predicted" if a.get("tokens_per_s") else ""
+        others = [_other(w, a.get(w), a) for w in ("host", "device") if w != where and w in a]
+        why = _why(a.get("facts"), att.get("device_kind")) if a.get("facts") else ""
+        tail = (f"; {', '.join(others)}" if others else "") + (f": {why}" if why else "")
+        lines.append(f"  attention ({phase}): {head}{forced}{rate}{tail}")
+    return lines
+
+
+def expert_prefetch_lines(ep: dict[str, Any] | None) -> list[str]:
+    """One line: per phase whether the runtime fetches a layer's first experts before its
+    router has run (beside attention) and why: its rows x top_k against 4 x experts, e.g.
+    "experts fetched before routing: decode yes, each layer's first 2 experts during its
+    attention (1024 rows x top-2 = 2048 >= 4 x 8 experts = 32; P(an expert unused) < 1e-6); ..."."""
+    if not ep:
+        return []
+    parts = []
+    for phase in ("decode", "prefill"):
+        d = ep.get(phase)
+        if not d:
+            continue
+        rows, k, E = int(d["rows"]), int(d["top_k"]), int(d["num_experts"])
+        yes = bool(d["before_routing"])
+        fig = (f"{rows} rows x top-{k} = {rows * k} {'>=' if yes else '<'} {ep['factor']} x {E} experts = "
+               f"{ep['factor'] * E}; P(an expert unused) {_chance(float(d['p_expert_unused']))}")
+        parts.append(f"{phase} yes, each layer's first {d['experts_ahead']:.3g} experts during its attention ({fig})" if yes
+                     else f"{phase} no, once the router has chosen them ({fig})")
+    tail = "" if ep.get("streamed_layers") else " (no layer's experts stream: all resident)"
+    return [f"  experts fetched before routing: {'; '.join(parts)}{tail}"]
+
+
+def _chance(p: float) -> str:
+    return "< 1e-6" if p < 1e-6 else f"= {p:.2g}"
+
+
+def _other(where: str, alt: dict[str, Any] | None, chosen: dict[str, Any]) -> str:
+    """'on the device 195 tok/s' (at its own best B when that differs), or why there is none."""
+    label = f"all on the {where}" if chosen.get("where") == "split" else f"on the {where}"
+    if alt is None:
+        return f"{label}: nothing fits the budgets"
+    at = f" (at B={alt['B']})" if alt.get("B") not in (None, chosen.get("B")) else ""
+    return f"{label} {alt['tokens_per_s']:.0f} tok/s{at}"
+
+
+def _why(f: dict[str, Any], device_kind: str | None) -> str:
+    """What each placement pays for the step's KV, per layer."""
+    S, kv = int(f["sequences"]), format_bytes(int(f["kv_bytes_per_layer"]))
+    host = f"{f['host_attention_s_per_layer'] * 1e3:.1f} ms"
+    if device_kind == "cpu":
+        return (f"the device is this machine's CPU: device attention copies the KV of {S} sequences ({kv} a "
+                f"layer) into a buffer every layer (with --gpu-mem the arena's), host attention reads it in place "
+                f"({host} a layer)")
+    bound = ", bound by the CPU's FLOPs" if f.get("host_flop_bound") else ""
+    return (f"the KV of {S} sequences ({kv} a layer) crosses the host link in "
+            f"{f['kv_crossing_s_per_layer'] * 1e3:.1f} ms a layer ({_per_s(f['link_bytes_per_s'])}), device "
+            f"attention over it takes {f['device_attention_s_per_layer'] * 1e3:.1f} ms; host attention reads it "
+            f"in place in {host} ({_per_s(f['host_attention_bytes_per_s'])}{bound})")
+
+
+def _per_s(rate: float) -> str:
+    return f"{rate / 1e9:.0f} GB/s"
 
 
 def weight_formats(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -1,5 +1,6 @@
 """The schedule of one decode step and one prefill step as a timeline (SVG): a compute lane
-and a copy lane, one bar per job over time, the critical path outlined in red; the measured
+and a copy lane (and a host lane where attention runs on the host CPU beside a device), one
+bar per job over time, the critical path outlined in red; the measured
 timeline of the same steps (from `moecc exec --stats`) drawn below the predicted one, on the
 same time scale.
 
@@ -17,6 +18,7 @@ from typing import Any
 from moecc.views import svg
 
 LANES = ("compute", "copy")
+HOST_LANE = "host"  # attention on the host CPU beside a real device (drawn when a step has such jobs)
 KIND_COLOURS = {"attention": "#4e79a7", "gather": "#a0cbe8", "gemm": "#59a14f", "expert": "#59a14f",
                 "router": "#f28e2b", "mlp": "#8cd17d", "head": "#76b7b2", "stem": "#bab0ac",
                 "fetch": "#b07aa1", "kv_load": "#ff9da7", "kv_store": "#d4a6c8", "glue": "#dcdcdc"}
@@ -72,9 +74,15 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-def _row(label: str, bs: list[Bar], y: float, scale: float, mark_critical: bool) -> list[str]:
+def lanes_of(bs: list[Bar]) -> tuple[str, ...]:
+    """The lanes to draw: compute and copy, and the host lane when a job runs there."""
+    return LANES + ((HOST_LANE,) if any(b.lane == HOST_LANE for b in bs) else ())
+
+
+def _row(label: str, bs: list[Bar], y: float, scale: float, mark_critical: bool,
+         lanes: tuple[str, ...] = LANES) -> list[str]:
     out = [svg.text(12, y + 12, label, size=12, font_weight="bold")]
-    for k, lane in enumerate(LANES):
+    for k, lane in enumerate(lanes):
         ly = y + 18 + k * LANE_H
         out.append(svg.text(24, ly + 13, lane, size=11, fill="#555"))
         out.append(svg.rect(LEFT, ly, WIDTH, BAR_H, "#f7f7f7", stroke="#e5e5e5"))
@@ -141,11 +149,12 @@ def draw_timeline(predicted: dict[str, Any], measured: dict[str, Any] | None = N
                    f"sequences, {meas.get('tokens')} tokens)" if meas else "") + f"; {shown}")
         body.append(svg.text(12, y, head, size=13, font_weight="bold"))
         y += 10
-        body += _row("predicted", pbars, y, scale, True)
-        y += 18 + 2 * LANE_H + 6
+        lanes = lanes_of(pbars + mbars)
+        body += _row("predicted", pbars, y, scale, True, lanes)
+        y += 18 + len(lanes) * LANE_H + 6
         if meas:
-            body += _row("measured", mbars, y, scale, False)
-            y += 18 + 2 * LANE_H + 6
+            body += _row("measured", mbars, y, scale, False, lanes)
+            y += 18 + len(lanes) * LANE_H + 6
         body += _axis(y, span, scale)
         y += 46
         kinds |= {b.kind for b in pbars + mbars}

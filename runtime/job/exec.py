@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import torch
 
@@ -36,6 +36,7 @@ from moecc_runtime.job.results import Done, InputKeys, ResultWriter, error_key, 
 from moecc_runtime.plan import PlanError, check_checkpoint, load_plan
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult
 from moecc_runtime.tokenizer import Tokenizer
+from moecc_runtime.worker.worker import refuse_unbudgeted_cuda
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -133,6 +134,7 @@ def run_job(
     progress: str = "quiet",
     handle_signals: bool = False,
     ray: Any = None,
+    replan: Callable[[dict[str, Any], Path, torch.device], dict[str, Any] | None] | None = None,
 ) -> JobSummary:
     """Run every request of `prompts_path` through the plan, writing results to `output` (a
     stream, or a path: appended to with `resume`, else replaced) as they finish, in `fmt`
@@ -141,11 +143,23 @@ def run_job(
     (distributed.RayOptions), the requests run on a pool of Ray actors instead of here.
     Before any model load: the output and errors files are locked and opened (an unwritable
     one fails at once, naming it) and, with `resume`, checked to be this job's (JobIdentityError
-    otherwise, changing nothing)."""
+    otherwise, changing nothing).
+    `replan(plan, checkpoint dir, device)`: asked (for a local run) before anything is opened;
+    a plan it returns runs instead of the file's (the CLI's recompiles a plan without a device
+    arena for a CUDA device: moecc/replan.py); the job's identity stays the file's. On CUDA a
+    plan without a device arena is refused (PlanError: compile it with --gpu-mem)."""
     wall0 = time.perf_counter()
     plan = load_plan(plan_path)
     mdir = check_checkpoint(plan, model_dir, plan_path)
     _check_runnable(plan, plan_path)
+    identity = plan_identity(plan, mdir)
+    if ray is None:
+        dev = pick_device(device)
+        new = replan(plan, mdir, dev) if replan is not None else None
+        if new is not None:
+            plan = new
+            _check_runnable(plan, plan_path)
+        refuse_unbudgeted_cuda(plan, dev)  # before any file is opened (the engine checks it too)
     planned_B = int(plan["batch"]["decode"]["B"])
     if plan.get("arena") and max_batch is not None and max_batch > planned_B:
         raise PlanError(f"--max-batch {max_batch} exceeds the B={planned_B} the plan sized its device arena for "
@@ -164,7 +178,7 @@ def run_job(
         check_distinct(Path(prompts_path), out_path, err_path)
     files = open_job_files(out_path, err_path, resume)  # this run owns the files now
     try:
-        summary = JobSummary(plan=plan_identity(plan, mdir))
+        summary = JobSummary(plan=identity)
         done = _resume(files, prompts_path, max_tokens, summary, log) if resume else Done()
         tok = Tokenizer(mdir)
     except BaseException:
@@ -191,7 +205,7 @@ def _check_runnable(plan: dict[str, Any], plan_path: str | Path) -> None:
     without the head module that yields the logits."""
     for phase in ("prefill", "decode"):
         for key, value in plan["batch"][phase].items():
-            if value < 1:
+            if isinstance(value, (int, float)) and value < 1:  # (`attention` is a placement, not a size)
                 raise PlanError(f"{plan_path}: plan.batch.{phase}.{key} is {value}, it must be at least 1; "
                                 f"this plan is not one moecc compile wrote: recompile it")
     if not any(m["kind"] == "head" for m in plan["schedule"]):

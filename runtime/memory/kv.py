@@ -9,6 +9,13 @@ micro-batch's blocks for one layer is one index_select along the block axis, and
 of one sequence, gathered in table order, read as one [Hkv, positions, D] run. Which
 sequence holds which blocks is the scheduler's (scheduler/blocks.py); the pool only stores,
 zeroes and gathers blocks by index.
+
+On a CUDA run the pool is pinned host memory (memory/pinned.py), so K/V copies between it
+and the device are DMA, and the new K/V of a micro-batch computed on the device go to it
+asynchronously (`store`): copied device->host on the worker's device->host stream into
+pinned buffers, an event recorded, and scattered into the pool only when something reads
+the pool (`flush`: the host attention of that layer, the end of the step). On a CPU run
+`store` is `write`, at once.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from moecc_runtime.memory import pinned
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -39,32 +48,57 @@ class KVGeometry:
                    int(block_size or kv["block_size"]), int(kv_blocks or kv["num_blocks"]))
 
 
+@dataclass
+class _PendingStore:
+    """K/V of one micro-batch on their way device->host (`KVPool.store`)."""
+
+    layer: int
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    k: torch.Tensor  # [n, Hkv, D] pinned host copy, valid once `event` has completed
+    v: torch.Tensor
+    event: Any  # torch.cuda.Event on the device->host stream
+
+
 class KVPool:
     """The K and V bytes of `num_blocks` blocks (block ownership: scheduler/blocks.py)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, block_size: int,
                  num_blocks: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 v_head_dim: int | None = None):
+                 v_head_dim: int | None = None, pin: bool = False):
+        """`pin` (a host pool of a CUDA run): page-locked host memory (memory/pinned.py; when
+        pinning fails a warning says so and the pool is pageable)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         dv = head_dim if v_head_dim is None else v_head_dim  # 0 for latent attention: K holds it all
-        # torch.empty: pages are committed only when first written, so an idle pool costs address space only
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, Hkv, NB, bs, D]
-        self.v = torch.empty(shape[:-1] + (dv,), dtype=dtype, device=device)  # [L, Hkv, NB, bs, Dv]
+        if pin and torch.device(device).type == "cpu":
+            self.k = pinned.host_empty(shape, dtype, pin=True, what="KV pool")  # [L, Hkv, NB, bs, D]
+            pin_v = pinned.is_registered(self.k) or _pinned(self.k)  # no second try (and warning) when K failed
+            self.v = pinned.host_empty(shape[:-1] + (dv,), dtype, pin=pin_v, what="KV pool (V)")
+        else:
+            # torch.empty: pages are committed only when first written, so an idle pool costs address space only
+            self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, Hkv, NB, bs, D]
+            self.v = torch.empty(shape[:-1] + (dv,), dtype=dtype, device=device)  # [L, Hkv, NB, bs, Dv]
+        self.pinned = bool(pin and (pinned.is_registered(self.k) or _pinned(self.k)))  # pinning can fail
         elem = self.k.element_size()
         self.bytes_per_token = num_layers * num_kv_heads * (head_dim + dv) * elem
         self.bytes_per_block = self.bytes_per_token * block_size
+        self.d2h: Any = None  # a copy_engine.DeviceToHost on CUDA runs (the worker sets it): `store` is async
+        self._pending: list[_PendingStore] = []
 
     @classmethod
-    def of(cls, geo: KVGeometry, dtype: torch.dtype) -> "KVPool":
-        """A host pool of geometry `geo`."""
+    def of(cls, geo: KVGeometry, dtype: torch.dtype, compute_device: torch.device | str = "cpu") -> "KVPool":
+        """A host pool of geometry `geo` for a run computing on `compute_device`: pinned when
+        that is a CUDA device."""
+        pin = torch.device(compute_device).type == "cuda"
         return cls(geo.layers, geo.heads, geo.k_dim, block_size=geo.block_size, num_blocks=geo.num_blocks,
-                   dtype=dtype, device="cpu", v_head_dim=geo.v_dim)
+                   dtype=dtype, device="cpu", v_head_dim=geo.v_dim, pin=pin)
 
     def zero(self, blocks: list[int]) -> None:
         """Zero `blocks` in every layer, so the unwritten tail of a sequence's last block (read,
         masked, by attention) never holds stale NaN or Inf."""
+        self.flush()  # a late store must not land in a block after it was zeroed for its new owner
         if blocks:
             idx = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
             self.k.index_fill_(2, idx, 0)  # [L, Hkv, NB, bs, D]: the blocks, every layer
@@ -76,6 +110,46 @@ class KVPool:
         self.k[layer][:, blocks, offsets] = k.transpose(0, 1).to(self.k.dtype)  # [Hkv, n, D]
         self.v[layer][:, blocks, offsets] = v.transpose(0, 1).to(self.v.dtype)
 
+    def store(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """`write`, from wherever k/v [n, Hkv, D] are: host tensors at once; device tensors of a
+        CUDA run through the device->host stream (non-blocking, into pinned memory), scattered
+        into the pool by the next `flush` that covers `layer`."""
+        if k.device.type != "cuda" or self.d2h is None:
+            self.write(layer, blocks, offsets, k.to("cpu"), v.to("cpu"))
+            return
+        (hk, hv), event = self.d2h.start(k, v)
+        self.defer(layer, blocks, offsets, hk, hv, event)
+
+    def defer(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              event: Any) -> None:
+        """Queue host copies k/v (valid once `event` completes) to be written by `flush`."""
+        self._pending.append(_PendingStore(layer, blocks, offsets, k, v, event))
+
+    def flush(self, layer: int | None = None, wait: bool = True) -> None:
+        """Write the queued stores (of `layer`, or all) into the pool: waiting on each one's
+        event, or (wait=False) only those whose copies have already finished."""
+        if not self._pending:
+            return
+        keep = []
+        for p in self._pending:
+            if (layer is None or p.layer == layer) and (wait or p.event.query()):
+                p.event.synchronize()
+                self.write(p.layer, p.blocks, p.offsets, p.k, p.v)
+            else:
+                keep.append(p)
+        self._pending = keep
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        """Write what is queued, then unpin the pool (its memory goes with the last reference)."""
+        self.flush()
+        pinned.release(self.k)
+        pinned.release(self.v)
+
     def gather(self, layer: int, blocks: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
         """Copy the listed blocks of one layer into out_k/out_v: [Hkv, len(blocks), bs, D]
         (contiguous). One index_select per head along its leading block axis: 1.5x the
@@ -83,3 +157,10 @@ class KVPool:
         for h in range(self.k.shape[1]):
             torch.index_select(self.k[layer, h], 0, blocks, out=out_k[h])  # [nb, bs, D]
             torch.index_select(self.v[layer, h], 0, blocks, out=out_v[h])
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    try:
+        return t.is_pinned()
+    except RuntimeError:
+        return False

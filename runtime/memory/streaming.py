@@ -12,6 +12,13 @@ Two policies with one interface (`enter`, `get`, `experts`; `KVStaging.submit/ac
     `expert_slots` slots, fetched `expert_slots - 1` ahead in the order compute uses them,
     and only experts some token chose; the KV of attention micro-batches goes through two
     buffers (micro-batch j+1, or the next layer's first, is gathered while j computes).
+
+On CUDA every host->device copy goes from pinned memory on the copy engine's stream: weights
+through two pinned staging buffers used in turn (`Copier`: the memmove of one tensor or
+chunk overlaps the DMA of the one before, and all are enqueued back to back), gathered KV
+through a pinned staging area per KV buffer; the host waits only when it reuses a staging
+buffer whose DMA is still running, and a slot or KV buffer is overwritten only after the
+compute stream's release event, which the copy stream (not the host) waits for.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 from moecc_runtime.memory.arena import ALIGN, ArenaError, DeviceArena, Region, align
 from moecc_runtime.memory.copy_engine import CopyEngine, CopyError, Ticket
+from moecc_runtime.memory import pinned
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.weights import WeightError, WeightStore
 from moecc_runtime import formats
@@ -111,32 +119,76 @@ class _SlotPool:
         self._free.append(s)
 
 
+class _Staging:
+    """Pinned host buffers the copier stages through, used round robin; each carries the
+    event recorded after the copy that last read it, waited on (host side) before the
+    buffer is written again."""
+
+    def __init__(self, n: int, nbytes: int):
+        self.bufs = [pinned.host_empty((nbytes,), torch.uint8, pin=True, what="copy staging") for _ in range(n)]
+        self.events = [torch.cuda.Event() for _ in range(n)]
+        self._next = 0
+
+    def take(self) -> tuple[torch.Tensor, Any]:
+        i = self._next
+        self._next = (i + 1) % len(self.bufs)
+        self.events[i].synchronize()  # the DMA that read it last is done (an unrecorded event: at once)
+        return self.bufs[i], self.events[i]
+
+    def close(self) -> None:
+        for e in self.events:
+            e.synchronize()
+        for b in self.bufs:
+            pinned.release(b)
+
+
 class Copier:
-    """Host tensors into arena views, on the copy engine's thread. On CUDA through a pinned
-    staging buffer (one transfer per unit); on a CPU a plain memmove (single-threaded, the
-    GIL released), so page faults on the mmap land on the copy thread, not on compute."""
+    """Host tensors into arena views, on the copy engine's thread. On CUDA through
+    `STAGING_BUFFERS` pinned staging buffers of up to `CHUNK` bytes used in turn: a tensor
+    (or a chunk of a big one) is memmoved into one while the DMA out of the other runs, and
+    every copy is enqueued back to back on the copy stream; the host waits only when it
+    comes back to a buffer whose DMA has not finished. On a CPU a plain memmove
+    (single-threaded, the GIL released), so page faults on the mmap land on the copy
+    thread, not on compute."""
+
+    CHUNK = 8 << 20
+    STAGING_BUFFERS = 2
 
     def __init__(self, device: torch.device, staging_bytes: int):
         self.cuda = device.type == "cuda"
-        self.staging = torch.empty(align(staging_bytes), dtype=torch.uint8, pin_memory=True) if self.cuda else None
+        self.chunk = max(ALIGN, min(align(staging_bytes), self.CHUNK))
+        self.ring = _Staging(self.STAGING_BUFFERS, self.chunk) if self.cuda else None
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: _Slot | None) -> None:
         """pairs: (host source, arena destination), all destinations inside `slot` (if given)."""
-        if slot is not None and slot.release is not None:
-            slot.release.synchronize()  # compute is done with what the slot held
+        if slot is not None and slot.release is not None:  # not handed to the engine as `after`
+            if self.cuda:
+                torch.cuda.current_stream().wait_event(slot.release)  # on the device
+            else:
+                slot.release.synchronize()
             slot.release = None
         if not self.cuda:
             for src, dst in pairs:
                 ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
             return
-        assert self.staging is not None
-        for src, dst in pairs:  # stage, then one async copy per tensor from pinned memory
+        assert self.ring is not None
+        stream = torch.cuda.current_stream()  # the copy engine's stream
+        for src, dst in pairs:
             n = src.numel() * src.element_size()
-            if n > self.staging.numel():
-                raise CopyError(f"copy engine: {n} B exceed the {self.staging.numel()} B staging buffer")
-            ctypes.memmove(self.staging.data_ptr(), src.data_ptr(), n)
-            dst.view(-1).view(torch.uint8).copy_(self.staging[:n], non_blocking=True)
-            torch.cuda.current_stream().synchronize()  # staging is reused by the next tensor
+            if dst.numel() * dst.element_size() != n:
+                raise CopyError(f"copy engine: {n} B source into a {dst.numel() * dst.element_size()} B view")
+            out = dst.view(-1).view(torch.uint8)
+            ptr = src.data_ptr()
+            for off in range(0, n, self.chunk):
+                c = min(self.chunk, n - off)
+                buf, done = self.ring.take()
+                ctypes.memmove(buf.data_ptr(), ptr + off, c)
+                out[off:off + c].copy_(buf[:c], non_blocking=True)
+                done.record(stream)
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
 
 
 class StreamedWeights:
@@ -222,7 +274,9 @@ class StreamedWeights:
             raise
         if held:
             return slot, self.engine.submit("cached", 0, lambda: None), views
-        ticket = self.engine.submit(what, nbytes, lambda: self.copier.copy(pairs, slot), kind="fetch", layer=layer)
+        after, slot.release = [slot.release], None  # CUDA: the copy stream waits for compute's last use
+        ticket = self.engine.submit(what, nbytes, lambda: self.copier.copy(pairs, slot), kind="fetch", layer=layer,
+                                    after=after)
         return slot, ticket, views
 
     # -- dense weights: two slots, the next streamed module fetched while one computes ----
@@ -316,6 +370,7 @@ class StreamedWeights:
 
     def close(self) -> None:
         self.engine.drain()
+        self.copier.close()
 
 
 @dataclass
@@ -325,20 +380,25 @@ class _KVBuf:
     key: Any = None  # (step, layer, micro-batch) it holds or is being filled with
     ticket: Ticket | None = None
     release: Any = None  # CUDA event
+    staging: torch.Tensor | None = None  # CUDA: this buffer's pinned host staging (K then V elements)
+    staged: Any = None  # CUDA event after the last copy out of `staging`
 
 
 @dataclass
 class KVStaging:
     """Gathered KV of attention micro-batches: two buffers, the next one filled while the
     current computes (through the copy engine), or one buffer filled on the compute thread
-    when there is no copy engine. `cap_blocks`: blocks one buffer holds (None: grows)."""
+    when there is no copy engine. `cap_blocks`: blocks one buffer holds (None: grows).
+    On CUDA each buffer has a pinned host staging area of its size: the blocks are gathered
+    there, copied on the copy stream, and the staging is gathered into again only after
+    that copy's event (so the gather of micro-batch j+1 overlaps the copy of j); a buffer is
+    refilled only after the compute stream's release of it (waited on by the copy stream)."""
 
     kv: KVPool
     device: torch.device
     engine: CopyEngine | None = None
     region: Region | None = None
     cap_blocks: int | None = None
-    staging: torch.Tensor | None = None  # pinned host bytes (CUDA)
     bufs: list[_KVBuf] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -350,6 +410,17 @@ class KVStaging:
             self.bufs = [_KVBuf(self.region.view(i * step, (nk,), self.kv.k.dtype, what="KV buffer"),
                                 self.region.view(i * step + align(nk * item), (nv,), self.kv.k.dtype,
                                                  what="KV buffer")) for i in range(2)]
+            if self.device.type == "cuda":
+                for b in self.bufs:
+                    b.staging = pinned.host_empty((nk + nv,), self.kv.k.dtype, pin=True, what="KV staging")
+                    b.staged = torch.cuda.Event()
+
+    def close(self) -> None:
+        for b in self.bufs:
+            if b.staged is not None:
+                b.staged.synchronize()
+            pinned.release(b.staging)
+            b.staging = None
 
     @property
     def k_elems(self) -> int:
@@ -387,22 +458,23 @@ class KVStaging:
         hk = buf.k[:nb * self.k_elems].view(self._shape(nb))
         hv = buf.v[:nb * self.v_elems].view(self._shape(nb, v=True))
         nbytes = nb * (self.k_elems + self.v_elems) * self.kv.k.element_size()
-        release, buf.release = buf.release, None
+        release, buf.release = buf.release, None  # CUDA: the copy stream waits for it (`after`)
 
         def fill() -> None:
-            if release is not None:
-                release.synchronize()
-            if self.staging is None:
+            if buf.staging is None:  # a CPU arena: gather straight into it
                 self.kv.gather(layer, blocks, hk, hv)
                 return
             nk, nv = nb * self.k_elems, nb * self.v_elems
-            sk = self.staging.view(self.kv.k.dtype)[:nk].view(self._shape(nb))
-            sv = self.staging.view(self.kv.k.dtype)[nk:nk + nv].view(self._shape(nb, v=True))
+            buf.staged.synchronize()  # the previous copy out of this staging is done
+            sk = buf.staging[:nk].view(self._shape(nb))
+            sv = buf.staging[nk:nk + nv].view(self._shape(nb, v=True))
             self.kv.gather(layer, blocks, sk, sv)
             hk.copy_(sk, non_blocking=True)
             hv.copy_(sv, non_blocking=True)
+            buf.staged.record(torch.cuda.current_stream())
 
-        buf.ticket = self.engine.submit(f"KV of layer {layer} ({nb} blocks)", nbytes, fill, kind="kv_load", layer=layer)
+        buf.ticket = self.engine.submit(f"KV of layer {layer} ({nb} blocks)", nbytes, fill, kind="kv_load", layer=layer,
+                                        after=[release])
 
     def acquire(self, key: Any, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gathered KV [Hkv, nb, bs, D] x2 for `key` on the compute device."""

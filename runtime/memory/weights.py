@@ -2,9 +2,11 @@
 safetensors files at the plan's byte offsets (no copy, no merged expert tensors), and
 fetched to the compute device on demand.
 
-On CPU the "fetch" is the mmap view itself; on CUDA a fetched slice is copied to device
-memory once and kept. With a device budget, memory/streaming.py copies slices into the
-arena instead (`host` is what it copies from).
+On CPU the "fetch" is the mmap view itself. With a device budget, memory/streaming.py
+copies slices into the arena instead (`host` and `stored` are what it copies from); the
+worker runs plans on CUDA only with such a budget (worker.refuse_unbudgeted_cuda), so
+`get`'s CUDA branch (a slice copied to device memory once and kept) serves direct callers
+only, never a whole model.
 
 Mixed dtypes: a checkpoint may keep some tensors in another dtype than the one the model
 computes in (bf16 matrices with fp32 norms and routers). The plan's `model.info.dtype` is

@@ -6,11 +6,11 @@ Hkv = query / key-value heads, G = Hq / Hkv, D / Dv = key / value head dim.
 
 Today's one backend, `GatheredAttention`, runs where the compute is: the micro-batch's
 blocks are gathered into one buffer on the compute device (by memory/streaming.py's
-KVStaging, before the micro-batch runs), its new K/V are written to the host pool and into
-that buffer, and attention runs there: decoding sequences grouped by how many blocks they
-span (one batched call per group, masking only the unused tail of each sequence's last
-block, never padding to the longest), prefill chunks one sequence at a time with a causal
-mask. Which blocks a micro-batch reads, per sliding window, is its `KVView`.
+KVStaging, before the micro-batch runs), its new K/V are written to the host pool (on CUDA
+asynchronously: KVPool.store) and into that buffer, and attention runs there: decoding
+sequences grouped by how many blocks they span (one batched call per group, masking only
+the unused tail of each sequence's last block, never padding to the longest), prefill
+chunks one sequence at a time with a causal mask. Which blocks a micro-batch reads, per sliding window, is its `KVView`.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ class GatheredAttention:
         else:
             raise RuntimeError(f"runtime: attention variant {variant!r} (node {op['name']}) is not "
                                f"implemented by this runtime")
-        self.pool.write(a["layer_index"], mb.write_blocks, mb.write_offsets, k.to("cpu"), v.to("cpu"))  # kv_store
+        # kv_store: on CUDA asynchronous (device->host stream, pinned), in the pool by the step's end
+        self.pool.store(a["layer_index"], mb.write_blocks, mb.write_offsets, k, v)
         view = kv_view(mb, a.get("sliding_window"), self.pool.block_size)
         kbuf, vbuf = _store_new(kv, view, k, v, a)
         out = torch.empty((x.shape[0], q.shape[1] * vbuf.shape[-1]), dtype=q.dtype, device=q.device)  # [t, Hq*Dv]

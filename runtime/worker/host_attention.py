@@ -13,6 +13,10 @@ host and runs causal SDPA over them: its O(n^2) compute dwarfs reading its conte
 Without the native kernel (not built, or a K/V dtype it does not read), the decoding rows
 go through the gathered path on the host instead (same numerics as GatheredAttention).
 Multi-head attention (GQA included) and absorbed latent attention (MLA) both.
+
+On CUDA the queries and new K/V go to the host in one batch of non-blocking copies on the
+device->host stream (into pinned memory); the host waits on that batch's event, stores the
+K/V into the (pinned) pool, attends, and sends the outputs back from pinned memory.
 """
 
 from __future__ import annotations
@@ -72,10 +76,13 @@ class HostAttention:
     """Attention on the host over the KV pool in place; q/k/v projections and the output
     projection run where the compute is (the device, or the host on a CPU-only machine)."""
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, pin: bool = False):
+        """`pin`: the compute device is a GPU (attention outputs go back from pinned memory)."""
         self.pool = pool
+        self.pin = pin
         self.native = native.supports(pool.k.dtype)
         self._buf: list[torch.Tensor] = []  # the fallback's growing host gather buffers (K, V)
+        self._sinks: dict[str, torch.Tensor] = {}  # device attention sinks' host copies, by op (weights)
 
     def __call__(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch,
                  w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -91,13 +98,28 @@ class HostAttention:
             raise RuntimeError(f"runtime: attention variant {variant!r} (node {op['name']}) is not "
                                f"implemented by this runtime")
         layer = a["layer_index"]
-        self.pool.write(layer, mb.write_blocks, mb.write_offsets, k.to("cpu"), v.to("cpu"))  # kv_store
-        qh = q.to("cpu")  # [t, Hq, D]: only the queries cross
-        out = self._attend(qh, layer, mb, a, w.get("sinks"))  # [t, Hq, Dv] on the host
-        out = out.to(device=x.device, dtype=q.dtype).reshape(x.shape[0], -1)  # [t, Hq*Dv]
+        if q.is_cuda and self.pool.d2h is not None:  # kv_store and the queries: one batch, one event
+            (hk, hv, qh), ready = self.pool.d2h.start(k, v, q)
+            self.pool.defer(layer, mb.write_blocks, mb.write_offsets, hk, hv, ready)
+            self.pool.flush(layer)  # waits on the event, then writes this layer's K/V into the pool
+        else:
+            self.pool.store(layer, mb.write_blocks, mb.write_offsets, k, v)  # kv_store
+            qh = q.to("cpu")  # [t, Hq, D]: only the queries cross
+        out = self._attend(qh, layer, mb, a, self._host_sinks(op, w.get("sinks")))  # [t, Hq, Dv] on the host
+        out = out.to(device=x.device, non_blocking=self.pin and x.is_cuda)  # from pinned memory on CUDA
+        out = out.to(dtype=q.dtype).reshape(x.shape[0], -1)  # [t, Hq*Dv]
         if finish is not None:
             return finish(out)
         return kernels.linear(out, w["o"], w.get("o_bias"))
+
+    def _host_sinks(self, op: dict, sinks: torch.Tensor | None) -> torch.Tensor | None:
+        """The op's attention sinks on the host (a weight: copied from the device once)."""
+        if sinks is None or not sinks.is_cuda:
+            return sinks
+        h = self._sinks.get(op["name"])
+        if h is None:
+            h = self._sinks[op["name"]] = sinks.to("cpu")
+        return h
 
     def _pools(self, layer: int, a: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K and V pools [Hkv, NB, bs, D|Dv] (latent attention: V is K's latent part)."""
@@ -110,7 +132,8 @@ class HostAttention:
         window = a.get("sliding_window")
         view = host_view(mb, window, self.pool.block_size)
         kp, vp = self._pools(layer, a)
-        out = torch.empty((q.shape[0], q.shape[1], vp.shape[-1]), dtype=torch.float32)  # [t, Hq, Dv]
+        out = torch.empty((q.shape[0], q.shape[1], vp.shape[-1]), dtype=torch.float32,
+                          pin_memory=self.pin)  # [t, Hq, Dv]
         sinks_h = sinks.to("cpu") if sinks is not None else None
         if view.rows.numel():
             if self.native:

@@ -12,7 +12,14 @@ order:
     computes (memory/streaming.py's KVStaging);
   * expert modules run every expert over all rows routed to it, in chunks of b_e rows;
     dense MLPs over all rows in chunks of b_e;
-  * values that cross modules are kept in host buffers [T, ...].
+  * values that cross modules are kept in host buffers [T, ...], or, where the next device
+    module reads them (`keep_on_device`, the default on CUDA), on the device in the arena's
+    staging area (see `_device_slots`): a [T, ...] view per value, a module's output written
+    over its input's rows at the end of each run, so the residual stream never leaves the
+    device between modules and attention micro-batches collect their rows in place.
+On CUDA, what does cross to the host goes there asynchronously (copy_engine.DeviceToHost:
+module outputs into pinned host buffers, new K/V into the pinned pool, each with an event its
+reader waits on) and the KV pool is pinned.
 Only the last row of each sequence whose known tokens are all cached after the step
 reaches the head (final norm, lm_head). The step's phase picks (b_a, b_e): the plan's
 prefill sizes or its decode sizes.
@@ -21,6 +28,7 @@ prefill sizes or its decode sizes.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from moecc_runtime.memory.arena import ArenaError, DeviceArena, Region, align
-from moecc_runtime.memory.copy_engine import CopyEngine
+from moecc_runtime.memory import pinned
+from moecc_runtime.memory.copy_engine import CopyEngine, DeviceToHost
 from moecc_runtime.memory.kv import KVGeometry, KVPool
 from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
-from moecc_runtime.plan import has_sidecar, sidecar_path
+from moecc_runtime.plan import PlanError, has_sidecar, sidecar_path
 from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
 from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS
 from moecc_runtime.worker import kernels
@@ -75,20 +84,98 @@ def _next_attention(schedule: list[dict]) -> list[tuple[int, int | None] | None]
     return out[::-1]
 
 
+def refuse_unbudgeted_cuda(plan: dict[str, Any], device: torch.device) -> None:
+    """A plan without a device arena (compiled without --gpu-mem) does not run on CUDA: the
+    runtime would have to copy every weight to the device and keep it there. PlanError
+    saying to compile with --gpu-mem (`moecc exec` recompiles such a plan itself)."""
+    if device.type == "cuda" and not plan.get("arena"):
+        mdir = plan.get("model", {}).get("dir", "MODEL_DIR")
+        raise PlanError(f"this plan has no device arena (it was compiled without --gpu-mem), so on {device} the "
+                        f"runtime would copy every weight to the device and keep it there; it refuses to. "
+                        f"Compile the plan for this device: `moecc compile {mdir} --gpu-mem <device memory to use, "
+                        f"e.g. 20GB> -o plan.pt` (`moecc exec` does this in memory by itself), or run with "
+                        f"--device cpu")
+
+
+def _device_slots(schedule: list[dict]) -> dict[str, tuple[int, int]]:
+    """The host-buffer values that can stay on the device, in schedule order, each with
+    (its producer's module index, the last module index that reads it). A value qualifies
+    when modules after its producer read it (not its producer, not the head); it is kept
+    in a [T, ...] view of the staging area (`_assign_slots` says which)."""
+    bufs = {op["name"]: i for i, m in enumerate(schedule) for op in m["ops"] if op["op"] == "host_buffer"}
+    readers: dict[str, set[int]] = {}
+    for i, m in enumerate(schedule):
+        for op in m["ops"]:
+            for x in op["inputs"]:
+                if x in bufs:
+                    readers.setdefault(x, set()).add(i)
+    out: dict[str, tuple[int, int]] = {}
+    for name, p in bufs.items():
+        r = readers.get(name, set())
+        if r and min(r) > p and schedule[p]["kind"] != "head":
+            out[name] = (p, max(r))
+    return out
+
+
+def _assign_slots(values: dict[str, tuple[int, int]], row_bytes: dict[str, int]) -> dict[str, int]:
+    """Slot numbers for the kept values (`_device_slots`, in schedule order) whose rows take
+    `row_bytes`. A value written by the module that last reads an earlier value with rows of
+    the same size takes over that one's slot (each run of that module reads its rows of the
+    old value and writes the same rows of the new one at its end, so no row is overwritten
+    before it is read); otherwise it gets a slot of its own."""
+    slots: dict[str, int] = {}
+    free: dict[int, list[tuple[int, int]]] = {}  # module index -> (slot, row bytes) it may hand over
+    n = 0
+    for name, (p, last) in values.items():
+        rb = row_bytes[name]
+        cands = free.get(p, [])
+        pick = next((c for c in cands if c[1] == rb), None)
+        if pick is not None:
+            cands.remove(pick)
+            s = pick[0]
+        else:
+            s, n = n, n + 1
+        slots[name] = s
+        free.setdefault(last, []).append((s, rb))
+    return slots
+
+
+@dataclass
+class _DeviceValues:
+    """One step's values kept on the device: where each one's [T, ...] view lies in the stage."""
+
+    T: int
+    offsets: dict[str, tuple[int, tuple[int, ...], torch.dtype]]  # value -> (stage offset, row shape, dtype)
+    top: int  # stage bytes they take; inputs staged from host buffers go after
+    views: dict[str, torch.Tensor] = field(default_factory=dict)  # made when first written
+
+    def view(self, stage: Region, name: str) -> torch.Tensor:
+        v = self.views.get(name)
+        if v is None:
+            off, row, dtype = self.offsets[name]
+            v = self.views[name] = stage.view(off, (self.T, *row), dtype, what=f"device value {name}")
+        return v
+
+
 class Worker:
     """Runs step plans of one plan's model on one device."""
 
     def __init__(self, plan: dict[str, Any], model_dir: Path, device: torch.device | str = "cpu", *,
                  expert_chunk: int | None = None, attn_micro_batch: int | None = None,
                  kv: KVGeometry | None = None, record_steps: bool = False, plan_path: Path | str | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, keep_on_device: bool | None = None):
         """needs: a loaded plan and its checkpoint (and where the plan was read from, when it has
-        quantized weights beside it: `plan_path`). `expert_chunk` / `attn_micro_batch`
-        override the plan's b_e / b_a of both phases; `kv` its KV pool's geometry; `attention`
-        ("host" / "device") the plan's attention placement of both phases."""
+        quantized weights beside it: `plan_path`); on CUDA a plan with a device arena
+        (PlanError otherwise). `expert_chunk` / `attn_micro_batch` override the plan's b_e /
+        b_a of both phases; `kv` its KV pool's geometry; `attention` ("host" / "device") the
+        plan's attention placement of both phases. `keep_on_device`: keep values between
+        device modules in the arena's staging area instead of host buffers (default: on
+        CUDA; a CPU run keeps the host buffers unless asked, with the same results)."""
+        self.device = torch.device(device)
+        refuse_unbudgeted_cuda(plan, self.device)
         self.plan = plan
         self.info = plan["model"]["info"]
-        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.dtype = TORCH_DTYPES[self.info["dtype"]]
         sidecar = sidecar_path(plan_path) if plan_path is not None and has_sidecar(plan) else None
         self.store = WeightStore(plan["weights"], model_dir, self.device, compute_dtype=self.dtype,
@@ -104,12 +191,23 @@ class Worker:
         self.schedule = plan["schedule"]
         self._producer = {op["name"]: op["op"] for m in self.schedule for op in m["ops"]}
         self._next_attn = _next_attention(self.schedule)
-        self.kv = KVPool.of(kv or KVGeometry.from_plan(plan), self.dtype)
+        self.kv = KVPool.of(kv or KVGeometry.from_plan(plan), self.dtype, compute_device=self.device)
+        self.d2h = DeviceToHost(self.device) if self.cuda else None  # module outputs and K/V to the host
+        self.kv.d2h = self.d2h
         self.attention = GatheredAttention(self.kv)
-        self.host_attention = HostAttention(self.kv)
+        self.host_attention = HostAttention(self.kv, pin=self.cuda)
         self._host_share = host_fractions(plan, self.device, attention)
         self._phase = "decode"
         self._host_bufs: dict[str, torch.Tensor] = {}  # host buffer storage by value name, reused
+        self._host_ready: dict[str, Any] = {}  # CUDA: value -> event after its last device->host write
+        self._host_read: dict[str, Any] = {}  # CUDA: value -> event after its last non-blocking read
+        self.keep_on_device = self.cuda if keep_on_device is None else bool(keep_on_device)
+        self._slots: dict[str, tuple[int, int]] = {}  # values that may stay on the device (with an arena)
+        self._widths: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # value -> row shape, dtype (learned)
+        self._staged_inputs: list[list[str]] = []  # per module: host-buffer inputs not kept on the device
+        self._dev: _DeviceValues | None = None  # this step's values on the device, when they fit
+        self.steps_on_device = 0  # steps whose values between modules stayed on the device
+        self.host_buffer_writes = 0  # module outputs written to host buffers (rows of one run each)
         self.stats = EngineStats(records=[] if record_steps else None)
         self._step_no = 0
         self._trace: StepTrace | None = None  # the step being recorded for the timeline, if any
@@ -120,6 +218,12 @@ class Worker:
         lay = plan.get("arena")
         if lay:
             self._init_arena(lay)
+            if self.keep_on_device:
+                self._slots = _device_slots(self.schedule)
+                bufs = {op["name"] for m in self.schedule for op in m["ops"] if op["op"] == "host_buffer"}
+                self._staged_inputs = [list(dict.fromkeys(i for op in m["ops"] for i in op["inputs"]
+                                                          if i in bufs and i not in self._slots))
+                                       for m in self.schedule]
         else:
             self.weights: InPlaceWeights | StreamedWeights = InPlaceWeights(self.store)
             self.kv_staging = KVStaging(self.kv, self.device)
@@ -131,12 +235,13 @@ class Worker:
         kv_bytes = KVStaging.region_bytes(self.kv, cap_blocks) if cap_blocks else 0
         self.arena = DeviceArena(int(lay["bytes"]), self.device)
         self.copy = CopyEngine(self.device)
-        copier = Copier(self.device, max(int(lay["dense_slot_bytes"]), int(lay["expert_slot_bytes"]), kv_bytes // 2))
+        copier = Copier(self.device, max(int(lay["dense_slot_bytes"]), int(lay["expert_slot_bytes"])))
         self.weights = StreamedWeights(self.plan, self.store, self.arena, self.copy, copier)
         if cap_blocks:
             self.kv_staging = KVStaging(self.kv, self.device, self.copy, self.arena.region("kv_buffers", kv_bytes),
-                                        cap_blocks, copier.staging)
+                                        cap_blocks)
         else:
+            self.arena.region("kv_buffers", 0)  # none (attention on the host); the usage report names it still
             self.kv_staging = KVStaging(self.kv, self.device, cap_blocks=0)
             if any(f < 1.0 for f in self._host_share.values()):
                 raise ArenaError("device arena: the plan places attention on the device but gives it no KV "
@@ -166,7 +271,15 @@ class Worker:
         self._trace = trace
         if self.copy is not None:
             self.copy.trace = trace
-        logits = self._run_schedule(b)
+        self._dev = self._layout(b.T) if self._slots else None
+        if self._dev is not None:
+            self.steps_on_device += 1
+            self._drop_host_buffers(self._slots)  # not needed while the values stay on the device
+        try:
+            logits = self._run_schedule(b)
+        finally:
+            self._dev = None
+        self.kv.flush()  # every K/V of this step is in the pool when the step ends (CUDA: waits on events)
         if trace is not None and self.copy is not None:
             self.copy.trace = None  # before the clock stops: no recorded copy ends after the step
         seconds = time.perf_counter() - t0
@@ -189,6 +302,7 @@ class Worker:
             kind = module["kind"]
             self._layer = module.get("layer")
             self.weights.enter(index)
+            self.kv.flush(wait=False)  # CUDA: scatter K/V stores whose copies are done, while the device works
             if kind == "attn":
                 self._run_attention_module(index, module, env, b, mbs)
             else:
@@ -236,6 +350,8 @@ class Worker:
         arg = _Inputs(self, module, env, rows)
         last = None
         trace = self._trace
+        dev = self._dev
+        handover: list[tuple[str, Any]] = []  # outputs kept on the device, written after the run's ops
         for op in module["ops"]:
             kind = op["op"]
             if kind in TRANSFER_OPS:  # the weights policy and the KV staging did these (memory/)
@@ -243,18 +359,73 @@ class Worker:
             t_op = time.perf_counter() if trace is not None else 0.0
             inputs = [arg(i) for i in op["inputs"] if self._producer.get(i) not in TRANSFER_OPS]
             if kind == "host_buffer":
-                full = env.get(op["name"])
-                x = inputs[0]
+                name, x = op["name"], inputs[0]
+                self._widths.setdefault(name, (tuple(x.shape[1:]), x.dtype))
+                if dev is not None and name in dev.offsets:
+                    handover.append((name, x))
+                    continue
+                full = env.get(name)
                 if full is None:  # [T, ...] on the host, filled micro-batch by micro-batch
-                    full = env[op["name"]] = self._host_buffer(op["name"], (b.T, *x.shape[1:]), x.dtype)
-                full[rows] = x.to("cpu")
+                    full = env[name] = self._host_buffer(name, (b.T, *x.shape[1:]), x.dtype)
+                self._to_host(name, full, rows, x)
                 continue
             last = arg.local[op["name"]] = self._compute(op, inputs, mb, kv)
             if trace is not None and kind != "experts":  # experts: one job per expert (StepTrace.experts)
                 name = f"L{self._layer}.attn.{mb.index}" if kind == "attention" and mb is not None else \
                     f"{module['module']}.{op['name']}"
                 trace.add(name, "compute", OP_JOB_KIND.get(kind, "glue"), self._layer, t_op, time.perf_counter())
+        assert dev is not None or not handover
+        for name, x in handover:  # this run's rows of the value, over the rows of the input it replaces
+            assert self.stage is not None and dev is not None
+            full = dev.view(self.stage, name)
+            if isinstance(rows, slice):
+                full[rows].copy_(x)
+            else:
+                full[rows.to(full.device)] = x.to(full.device)
+            env[name] = full
         return last
+
+    def _to_host(self, name: str, full: torch.Tensor, rows: slice | torch.Tensor, x: torch.Tensor) -> None:
+        """Rows `rows` of host buffer `full` (value `name`) from `x`: on CUDA a non-blocking copy
+        on the device->host stream whose event the buffer's readers wait on."""
+        self.host_buffer_writes += 1
+        if x.is_cuda and self.d2h is not None and isinstance(rows, slice):
+            self._host_ready[name] = self.d2h.into(full[rows], x)
+            return
+        read = self._host_read.pop(name, None)
+        if read is not None:
+            read.synchronize()  # a non-blocking copy out of this buffer has finished before the host writes it
+        full[rows] = x.to("cpu")
+
+    def _layout(self, T: int) -> _DeviceValues | None:
+        """Where this step's kept values lie in the stage, or None when they (with the inputs
+        still staged from host buffers) do not fit the plan's stage or their row shapes are
+        not known yet (learned by the first step, which keeps the host buffers)."""
+        if self.stage is None or any(n not in self._widths for n in self._slots):
+            return None
+        rbs = {n: _row_bytes(*self._widths[n]) for n in self._slots}
+        slot_of = _assign_slots(self._slots, rbs)
+        offsets: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        at: dict[int, int] = {}  # slot -> its offset
+        top = 0
+        for name, s in slot_of.items():
+            if s not in at:
+                at[s] = top
+                top += align(T * rbs[name])
+            row, dtype = self._widths[name]
+            offsets[name] = (at[s], row, dtype)
+        extra = max((sum(align(T * _row_bytes(*self._widths[n])) for n in names if n in self._widths)
+                     for names in self._staged_inputs), default=0)
+        if top + extra > self.stage.nbytes:
+            return None
+        return _DeviceValues(T, offsets, top)
+
+    def _drop_host_buffers(self, names: Any) -> None:
+        for name in names:
+            buf = self._host_bufs.pop(name, None)
+            if buf is not None:
+                self._settle(name)
+                pinned.release(buf)
 
     def _host_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host buffer's storage, kept across steps and grown when a step needs more, so
@@ -264,8 +435,19 @@ class Worker:
             need *= d
         buf = self._host_bufs.get(name)
         if buf is None or buf.numel() < need or buf.dtype != dtype:
-            buf = self._host_bufs[name] = torch.empty(max(need, 1), dtype=dtype, device="cpu")
+            if buf is not None:
+                self._settle(name)
+                pinned.release(buf)
+            buf = self._host_bufs[name] = pinned.host_empty((max(need, 1),), dtype, pin=self.cuda,
+                                                            what=f"host buffer {name}")
         return buf[:need].view(shape)
+
+    def _settle(self, name: str) -> None:
+        """CUDA: wait for the copies into and out of host buffer `name`."""
+        for events in (self._host_ready, self._host_read):
+            ev = events.pop(name, None)
+            if ev is not None:
+                ev.synchronize()
 
     def _w(self, op: dict, local: str) -> torch.Tensor:
         return self.weights.get(op["weights"][local])
@@ -332,32 +514,74 @@ class Worker:
         finally:
             if self.copy is not None:
                 self.copy.close()
+            self.kv_staging.close()
+            self._drop_host_buffers(list(self._host_bufs))
+            self.kv.close()
             self.store.close()
 
 
+def _row_bytes(row: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in row:
+        n *= int(d)
+    return n
+
+
 class _Inputs:
-    """A module's inputs for one run: rows `rows` of the host buffers, brought to the device
-    once per module run however many ops read them (into the arena's staging area when
-    there is one); the stem (embedding, rope table) reads them on the host."""
+    """A module's inputs for one run: rows `rows` of each value. A value kept on the device
+    is read where it is (a view of the stage); a host buffer's rows are brought to the
+    device once per module run however many ops read them (into the arena's staging area
+    when there is one, after the kept values; on CUDA a non-blocking copy from pinned memory
+    behind the compute stream's wait for the buffer's device->host event); the stem
+    (embedding, rope table) reads them on the host."""
 
     def __init__(self, worker: Worker, module: dict, env: dict[str, torch.Tensor], rows: slice | torch.Tensor):
         self.worker, self.module, self.env, self.rows = worker, module, env, rows
         self.host = module["kind"] == "stem"
         self.local: dict[str, Any] = {}  # value name -> its tensor in this module run
-        self.staged = 0  # bytes of the staging area used by this module's inputs
+        dev = worker._dev
+        self.staged = dev.top if dev is not None else 0  # bytes of the staging area used so far
 
     def __call__(self, name: str) -> Any:
         if name in self.local:
             return self.local[name]
-        x = self.env[name][self.rows]
+        w = self.worker
+        dev = w._dev
+        if dev is not None and name in dev.offsets:
+            full = dev.views.get(name)
+            if full is None:
+                raise RuntimeError(f"runtime: {self.module['module']} reads {name} before any module wrote it "
+                                   f"(the plan's schedule is out of order)")
+            rows = self.rows
+            x = full[rows.to(full.device)] if isinstance(rows, torch.Tensor) else full[rows]
+            self.local[name] = x
+            return x
+        src = self.env[name]
+        ready = w._host_ready.get(name)  # CUDA: the buffer's device->host copies, possibly in flight
+        stage = w.stage
+        # CUDA: rows of a (pinned) host buffer go to the stage without the host waiting: the
+        # compute stream waits for the buffer's device->host event, the copy is non-blocking
+        # and an event marks when the host may write the buffer again (Worker._to_host)
+        behind = w.cuda and stage is not None and isinstance(self.rows, slice) and not self.host
+        if ready is not None and not behind:
+            ready.synchronize()  # the host reads the rows itself
+        x = src[self.rows]
         if self.host:
             return x
-        stage = self.worker.stage
         if stage is None:
-            dst = x.to(self.worker.device)
+            dst = x.to(w.device)
         else:
             dst = stage.view(self.staged, x.shape, x.dtype, what=f"staged input {name} of {self.module['module']}")
             self.staged += align(x.numel() * x.element_size())
-            dst.copy_(x)
+            if behind:
+                compute = torch.cuda.current_stream(w.device)
+                if ready is not None:
+                    compute.wait_event(ready)  # on the device: the host goes on
+                dst.copy_(x, non_blocking=True)
+                read = torch.cuda.Event()
+                read.record(compute)
+                w._host_read[name] = read
+            else:
+                dst.copy_(x)
         self.local[name] = dst
         return dst

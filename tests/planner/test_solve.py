@@ -28,7 +28,7 @@ def cost():
 def problem(**kw) -> S.Problem:
     base = dict(cost=cost(), rates=resolve_hardware("a5000"), prompt_tokens=24.0, output_tokens=16.0,
                 gpu_mem=2_000_000, host_mem=None, max_batch=64, b_e_options=(8, 64, 512),
-                tps_options=(128, 1024), b_a_options_max=3)
+                tps_options=(128, 1024), b_a_options_max=3, split_options=(0.5,))
     base.update(kw)
     return S.Problem(**base)
 
