@@ -74,7 +74,8 @@ def test_streamed_plan_matches_transformers(mixtral, reference, eos, gpu_mem, mo
 
 def test_only_chosen_experts_are_fetched(mixtral, eos, monkeypatch):  # noqa: F811
     """Per layer and step, the experts fetched are a subset of those routed to (spied on the
-    kernel's fetch list), and never more than once."""
+    kernel's fetch list), and never more than once (fetching ahead of routing turned off)."""
+    monkeypatch.setattr(streaming, "SPECULATE_ROUTED_PER_EXPERT", 10**9)
     path, _, prompts = mixtral
     plan = compile_streamed(path, BUDGETS[0])
     assert not any(g.endswith(".experts") for g in plan["arena"]["resident"])
@@ -95,6 +96,46 @@ def test_only_chosen_experts_are_fetched(mixtral, eos, monkeypatch):  # noqa: F8
     Run(plan, path, requests(prompts)[:4], eos, kv_blocks=64)
     assert fetched and routed
     assert sum(len(r) for r in routed) >= len(fetched)
+
+
+def test_experts_fetched_ahead_of_routing_keep_results(mixtral, reference, eos, monkeypatch):  # noqa: F811
+    """Steps with rows x top_k >= 4 x experts fetch a layer's first experts during its
+    attention, before the router: the output stays token-identical to transformers, and per
+    experts op no more than the slots' worth beyond the routed experts is fetched."""
+    path, _, prompts = mixtral
+    plan = compile_streamed(path, BUDGETS[0])
+    assert not any(g.endswith(".experts") for g in plan["arena"]["resident"])
+    spy = Spy(monkeypatch)
+    calls: list[str] = []
+    real_spec, real_experts = streaming.StreamedWeights.speculate, streaming.StreamedWeights.experts
+    ahead: list[int] = []  # experts fetched ahead per speculate call
+    taken: list[int] = []  # per experts call after one: routed experts it did not fetch itself
+
+    def speculate(self, op):
+        before = len(spy.units)
+        real_spec(self, op)
+        calls.append(op["name"])
+        ahead.append(len(spy.units) - before)
+
+    def experts(self, op, used):
+        spec = op["name"] in self._spec
+        before = len(spy.units)
+        yield from real_experts(self, op, used)
+        got = [u[1] for _, u in spy.units[before:] if isinstance(u, tuple) and u[0] == op["name"]]
+        assert len(got) == len(set(got)) and set(got) <= set(used)
+        if spec:
+            taken.append(len(used) - len(got))
+
+    monkeypatch.setattr(streaming.StreamedWeights, "speculate", speculate)
+    monkeypatch.setattr(streaming.StreamedWeights, "experts", experts)
+    reqs = requests(prompts)
+    run = Run(plan, path, reqs, eos, kv_blocks=64)
+    check_against_transformers(run, reqs, reference, eos)
+    assert calls, "prompt steps route enough rows to fetch experts ahead"
+    slots = plan["arena"]["expert_slots"]
+    assert 0 < max(ahead) <= slots
+    assert taken and min(taken) > 0  # what was fetched ahead was taken over, not fetched again
+    assert all(streaming.speculates(r, 2, 8) == (r >= 16) for r in (1, 15, 16, 400))
 
 
 def test_no_budget_means_no_arena(mixtral):  # noqa: F811

@@ -57,6 +57,19 @@ def _placed(t: torch.Tensor) -> int:
     return align(t.numel() * t.element_size())
 
 
+#: Experts are fetched before the router has chosen them when rows x top_k reaches this many
+#: times the experts (the planner's schedule mirrors the rule: moecc/planner).
+SPECULATE_ROUTED_PER_EXPERT = 4
+
+
+def speculates(rows: int, top_k: int, num_experts: int) -> bool:
+    """True when a step of `rows` rows, each routed to top_k of num_experts experts, almost
+    surely uses every expert: rows * top_k >= 4 * num_experts, so under even routing an
+    expert is unused with probability (1 - k/E)^rows <= e^-4 (about 2%); a speculated
+    expert that no row chose costs only its wasted copy."""
+    return rows * top_k >= SPECULATE_ROUTED_PER_EXPERT * num_experts
+
+
 class InPlaceWeights:
     """No arena: read weights where they are."""
 
@@ -78,6 +91,9 @@ class InPlaceWeights:
     def experts(self, op: dict, used: list[int]) -> Iterator[ExpertWeights]:
         for e in used:
             yield tuple(self.store.get(k) for k in expert_keys(op, e))  # type: ignore[misc]
+
+    def speculate(self, op: dict) -> None:
+        """Nothing to fetch: the weights are where they are."""
 
     def close(self) -> None:
         pass
@@ -225,6 +241,7 @@ class StreamedWeights:
         self.expert_pool = _SlotPool(arena.region("expert_slots", n * align(expert)), n, expert)
         self._pending: dict[int, tuple[_Slot, Ticket, dict[str, torch.Tensor]]] = {}
         self._holding: _Slot | None = None  # the running module's dense slot
+        self._spec: dict[str, list[tuple[_Slot, Ticket, dict[str, torch.Tensor], int]]] = {}  # fetched ahead of routing
         self.streamed = [i for i, u in enumerate(self.units) if u]
 
     # -- resident weights: copied in once -------------------------------------------------
@@ -328,14 +345,41 @@ class StreamedWeights:
         return w
 
     # -- experts: expert_slots slots, fetched ahead in the order compute uses them -------
+    def speculate(self, op: dict) -> None:
+        """Start fetching the first experts of `op` (as many as there are slots, in index
+        order: the order they run) before its router has chosen them (the worker calls this
+        during the layer's attention when `speculates(...)` holds). `experts(op, ...)` takes
+        them over; one no row chose has only cost its copy."""
+        if op["name"] in self.resident_experts or op["name"] in self._spec:
+            return
+        self._drop_speculated()
+        pool, layer = self.expert_pool, self._op_layer.get(op["name"])
+        n = min(len(pool.slots), int(op["attrs"]["num_experts"]))
+        self._spec[op["name"]] = [
+            self._submit_unit(pool, (op["name"], e), expert_keys(op, e), f"expert {e} of {op['name']} (ahead of routing)",
+                              layer) + (e,) for e in range(n)]
+
+    def _drop_speculated(self, keep: str | None = None) -> None:
+        """Free the slots of experts fetched ahead for any op but `keep`. The copy engine runs
+        jobs in order, so a slot's next copy starts only after the dropped one finished."""
+        for name in [n for n in self._spec if n != keep]:
+            for slot, *_ in self._spec.pop(name):
+                self.expert_pool.release(slot)
+
     def experts(self, op: dict, used: list[int]) -> Iterator[ExpertWeights]:
         if op["name"] in self.resident_experts:
             for e in used:
                 yield tuple(self._expert(k, self.views[k]) for k in expert_keys(op, e))  # type: ignore[misc]
             return
         pool = self.expert_pool
-        todo = deque(used)
+        self._drop_speculated(keep=op["name"])
+        ahead = {job[-1]: job for job in self._spec.pop(op["name"], [])}  # fetched before routing
         inflight: deque[tuple[_Slot, Ticket, dict[str, torch.Tensor], int]] = deque()
+        todo = deque(used)
+        while todo and todo[0] in ahead:  # they run first, in `used` order
+            inflight.append(ahead.pop(todo.popleft()))
+        for slot, *_ in ahead.values():  # chosen by no row (or out of order): only their copy was spent
+            pool.release(slot)
 
         def submit() -> None:
             e = todo.popleft()
@@ -507,4 +551,4 @@ class KVStaging:
                 b.key, b.ticket = None, None
 
 
-__all__ = ["ALIGN", "Copier", "InPlaceWeights", "KVStaging", "StreamedWeights"]
+__all__ = ["ALIGN", "Copier", "InPlaceWeights", "KVStaging", "StreamedWeights", "speculates"]

@@ -39,7 +39,7 @@ from moecc_runtime.memory.arena import ArenaError, DeviceArena, Region, align
 from moecc_runtime.memory import pinned
 from moecc_runtime.memory.copy_engine import CopyEngine, DeviceToHost
 from moecc_runtime.memory.kv import KVGeometry, KVPool
-from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
+from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights, speculates
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
 from moecc_runtime.plan import PlanError, has_sidecar, sidecar_path
 from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
@@ -69,6 +69,22 @@ def host_fractions(plan: dict[str, Any], device: torch.device, force: str | None
             out[phase] = float(placed["host_fraction"])
         else:
             out[phase] = 1.0 if device.type == "cpu" else 0.0
+    return out
+
+
+def _layer_experts(schedule: list[dict]) -> list[dict | None]:
+    """Per module: for an attention module, the experts op of the same layer that follows it."""
+    out: list[dict | None] = [None] * len(schedule)
+    for i, m in enumerate(schedule):
+        if m["kind"] != "attn":
+            continue
+        for later in schedule[i + 1:]:
+            if later.get("layer") != m.get("layer"):
+                break
+            op = next((o for o in later["ops"] if o["op"] == "experts"), None)
+            if op is not None:
+                out[i] = op
+                break
     return out
 
 
@@ -191,6 +207,7 @@ class Worker:
         self.schedule = plan["schedule"]
         self._producer = {op["name"]: op["op"] for m in self.schedule for op in m["ops"]}
         self._next_attn = _next_attention(self.schedule)
+        self._layer_experts = _layer_experts(self.schedule)
         self.kv = KVPool.of(kv or KVGeometry.from_plan(plan), self.dtype, compute_device=self.device)
         self.d2h = DeviceToHost(self.device) if self.cuda else None  # module outputs and K/V to the host
         self.kv.d2h = self.d2h
@@ -321,11 +338,15 @@ class Worker:
         layer, window = attn["layer_index"], attn.get("sliding_window")
         nxt = self._next_attn[index]
         dev = [mb for mb in mbs if not mb.host]
+        if not dev:
+            self._speculate(index, b)
         for j, mb in enumerate(dev):
             key = (self._step_no, layer, j)
             kv = self.kv_staging.acquire(key, layer, self.attention.blocks(mb, window))
             if j + 1 < len(dev):
                 self.kv_staging.submit((self._step_no, layer, j + 1), layer, self.attention.blocks(dev[j + 1], window))
+            if j + 2 >= len(dev):  # this layer's last KV load is queued: the experts may follow it
+                self._speculate(index, b)
             self._run_module(module, env, b, mb, kv)
             self.kv_staging.release(key)
         if nxt is not None and dev:
@@ -334,6 +355,13 @@ class Worker:
         for mb in mbs:
             if mb.host:
                 self._run_module(module, env, b, mb)
+
+    def _speculate(self, index: int, b: StepBatch) -> None:
+        """Fetch the layer's first experts before its router runs when the step's rows make
+        every expert almost surely chosen (streaming.speculates)."""
+        op = self._layer_experts[index]
+        if op is not None and speculates(b.T, int(op["attrs"].get("top_k", 1)), int(op["attrs"]["num_experts"])):
+            self.weights.speculate(op)
 
     def _run_module(self, module: dict, env: dict[str, torch.Tensor], b: StepBatch,
                     mb: MicroBatch | None, kv: tuple[torch.Tensor, torch.Tensor] | None = None
