@@ -3,6 +3,7 @@ gather path (KV gathered into one buffer, then grouped SDPA), measured in one ru
 
     python bench/attention.py                          # bench768's attention shape
     python bench/attention.py --contexts 256,1024 --seqs 256
+    python bench/attention.py --engine bench/out/model-bench768 --seqs 64 --contexts 256,512
 
 For each context length, B sequences hold that many positions in a pool whose blocks are
 handed out in a shuffled order (as a long job leaves them); one decode step of attention
@@ -10,6 +11,12 @@ for every sequence (queries already projected) is timed both ways, medians of --
 alternating the two so drift hits both alike. The two outputs are compared. A table is
 printed and JSON written (--json). Only attention itself is timed: projections, rope and
 the KV store are the same for both paths and excluded.
+
+With --engine MODEL_DIR the whole worker runs instead: a plan compiled for the shape, B
+prompts of `context` tokens each prefilled, then decode steps, once with attention on the
+host and once with today's gather path (`Engine(attention="device")`, which on a CPU gathers
+each micro-batch's KV into a buffer); the attention modules' time of one traced decode step
+(projections, rope, the KV store and attention, every layer) is compared.
 """
 
 from __future__ import annotations
@@ -73,6 +80,39 @@ def time_paths(pool: KVPool, mb: MicroBatch, q: torch.Tensor, a: dict, repeats: 
             "kv_bytes": kv_bytes, "host_GBps": kv_bytes / median(th) / 1e9, "max_abs_diff": diff}
 
 
+def engine_attention_s(model: Path, B: int, ctx: int, placement: str) -> dict[str, Any]:
+    """Seconds of the attention jobs in one traced decode step of B sequences at ~ctx."""
+    from moecc.compiler import compile_model
+    from moecc_runtime.engine import Engine, generate
+    from moecc_runtime.scheduler.sequence import GenRequest
+
+    plan, _ = compile_model(model, prompt_tokens=ctx, output_tokens=8, max_batch=B)
+    gen = torch.Generator().manual_seed(ctx)
+    vocab = int(plan["model"]["info"]["vocab_size"])
+    reqs = [GenRequest(str(i), torch.randint(3, vocab, (ctx,), generator=gen).tolist(), 6) for i in range(B)]
+    engine = Engine(plan, model, "cpu", record_steps=True, attention=placement)
+    try:
+        generate(engine, reqs, lambda r: None, max_batch=B)
+        step = engine.stats.timeline["decode"]
+    finally:
+        engine.close()
+    attn = sum(j[5] for j in step["jobs"] if j[2] == "attention")
+    return {"attention_s": attn, "step_s": step["step_s"], "sequences": step["sequences"], "context": step["context"]}
+
+
+def run_engine(model: Path, B: int, contexts: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for ctx in contexts:
+        host, gather = engine_attention_s(model, B, ctx, "host"), engine_attention_s(model, B, ctx, "device")
+        r = {"context": ctx, "sequences": B, "host": host, "gather": gather,
+             "speedup": gather["attention_s"] / host["attention_s"]}
+        rows.append(r)
+        print(f"ctx {ctx:5d}, {B} sequences: attention per decode step: gather {gather['attention_s'] * 1e3:7.1f} ms "
+              f"(step {gather['step_s'] * 1e3:.0f} ms)  host {host['attention_s'] * 1e3:7.1f} ms "
+              f"(step {host['step_s'] * 1e3:.0f} ms)  speedup {r['speedup']:.2f}x")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=256, help="decoding sequences (B)")
@@ -82,8 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=96)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--engine", type=Path, default=None, help="a checkpoint: time the whole worker's attention")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "attention.json")
     args = ap.parse_args(argv)
+    if args.engine is not None:
+        rows = run_engine(args.engine, args.seqs, [int(c) for c in args.contexts.split(",")])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
+                                                     "threads": torch.get_num_threads()},
+                                         "model": str(args.engine), "per_step": rows}, indent=1))
+        print(f"wrote {args.json}")
+        return 0
     if not native.available():
         raise SystemExit("bench/attention.py: the native kernel is not built (pip install the project)")
     gen = torch.Generator().manual_seed(0)
