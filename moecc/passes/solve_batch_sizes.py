@@ -31,7 +31,7 @@ from moecc.ir.pass_infra import Pass, PassContext, PassResult
 from moecc.options import CompileOptions
 from moecc.planner import solve as S
 from moecc.planner.cost_model import PHASES, Choice, Prediction, placement
-from moecc.planner.schedule import (SPECULATE_FACTOR, StepShape, experts_in_use, p_expert_unused,
+from moecc.planner.schedule import (SPECULATE_ROUTED_PER_EXPERT, StepShape, experts_in_use, p_expert_unused,
                                     speculated_experts, speculates)
 from moecc.planner.costs import ModelCost, model_cost
 from moecc.planner.host_memory import available_host_bytes, host_bytes, kv_pool_blocks, minimum_host_bytes
@@ -175,7 +175,7 @@ def _expert_prefetch(pr: S.Problem, ch: Choice) -> dict[str, Any] | None:
     if lc is None:
         return None
     streamed = sum(1 for x in pr.cost.layers if x.moe and pr.copies and expert_group(x.layer) not in ch.resident)
-    out: dict[str, Any] = {"factor": SPECULATE_FACTOR, "streamed_layers": streamed}
+    out: dict[str, Any] = {"factor": SPECULATE_ROUTED_PER_EXPERT, "streamed_layers": streamed}
     for phase in PHASES:
         T = pr.workload.decode_shape(ch.B).T if phase == "decode" else pr.workload.prefill_shape(ch.prefill[0]).T
         out[phase] = {"rows": T, "top_k": lc.top_k, "num_experts": lc.num_experts,

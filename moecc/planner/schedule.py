@@ -186,18 +186,21 @@ def mlp_shape(lc: LayerCost, rates: Rates) -> tuple[int, int] | None:
 
 
 #: The runtime speculates (fetches a layer's first experts before its router has run) when
-#: rows x top_k >= SPECULATE_FACTOR x experts.
-SPECULATE_FACTOR = 4
+#: rows x top_k reaches this many times the experts (moecc_runtime.memory.streaming's own
+#: SPECULATE_ROUTED_PER_EXPERT).
+SPECULATE_ROUTED_PER_EXPERT = 4
 
 
 def speculates(rows: float, top_k: int, num_experts: int) -> bool:
     """Whether the runtime fetches a layer's first `expert_slots` experts (in expert index
-    order, the order it runs them) before its router has run, for a step of `rows` rows:
+    order, the order it runs them) before its router has run, in a step of `rows` rows:
     when rows x top_k >= 4 x num_experts every expert is almost surely chosen (P(an expert
-    unused) = (1 - top_k / num_experts) ** rows, about e^-4 = 2% at the threshold).
-    The rule is the runtime's: this mirrors moecc_runtime.memory.streaming.speculates
-    (the planner imports no runtime code but the plan schema); keep the two the same."""
-    return num_experts > 0 and top_k > 0 and rows * top_k >= SPECULATE_FACTOR * num_experts
+    unused) = (1 - top_k / num_experts) ** rows, at most e^-4, about 2%).
+    The rule is the runtime's: this mirrors moecc_runtime.memory.streaming.speculates (the
+    planner imports no runtime code but the plan schema); keep the two the same
+    (tests/planner/test_speculative_prefetch.py checks). The schedule and the solver apply it
+    through speculated_experts."""
+    return rows * top_k >= SPECULATE_ROUTED_PER_EXPERT * num_experts
 
 
 def p_expert_unused(rows: float, top_k: int, num_experts: int) -> float:

@@ -370,13 +370,16 @@ def _fetch_times(pr: Problem, cm: CostModel, rows: dict[str, int]) -> tuple[dict
     return fetch, moved
 
 
+SpecTimes = dict[tuple[str, int, int], dict[str, tuple[int, int]]]  # (phase, rows, p) -> group -> (ns, raw ns)
+
+
 def _speculated_times(pr: Problem, fetch: dict[str, dict[str, int]], moved: dict[str, dict[str, int]],
-                      steps: list[tuple[str, int]], p: list[int]) -> dict[tuple[str, int, int], dict[str, tuple[int, int]]]:
+                      steps: list[tuple[str, int]], p: list[int]) -> SpecTimes:
     """Per (phase, rows of its step, prefetch depth): each expert group's part of its fetch
     (calibrated, and at bytes / rate) that the runtime speculates on, fetched beside attention
     before routing (schedule.speculated_experts: min(p + 1, experts in use) of them, when the
     step's rows make every expert almost surely chosen). Groups without any are left out."""
-    out: dict[tuple[str, int, int], dict[str, tuple[int, int]]] = {}
+    out: SpecTimes = {}
     groups = pr.groups()
     for (phase, rows), q in itertools.product(steps, p):
         got = out[(phase, rows, q)] = {}
@@ -698,7 +701,8 @@ def _layer_value(tb: _Tables, ch: Choice, phase: str, i: int) -> tuple[float, st
     if ch.prefetch == 0:
         if not spec:
             return comp + copy, "compute+copy (no prefetch)" if copy else "compute"
-        serial = comp + copy - sum(s for s, _ in spec.values()) + tb.steal * sum(r for _, r in spec.values()) / STEAL_SCALE
+        ahead, ahead_moved = sum(s for s, _ in spec.values()), sum(r for _, r in spec.values())
+        serial = comp + copy - ahead + tb.steal * ahead_moved / STEAL_SCALE
         t = max(serial, stolen, copy, gated)
         return t, "compute+copy (no prefetch)" if t == serial else "copy" if t == copy else "compute"
     t = max(stolen, copy, gated)

@@ -163,8 +163,8 @@ def expert_prefetch_lines(ep: dict[str, Any] | None) -> list[str]:
         yes = bool(d["before_routing"])
         fig = (f"{rows} rows x top-{k} = {rows * k} {'>=' if yes else '<'} {ep['factor']} x {E} experts = "
                f"{ep['factor'] * E}; P(an expert unused) {_chance(float(d['p_expert_unused']))}")
-        parts.append(f"{phase} yes, each layer's first {d['experts_ahead']:.3g} experts during its attention ({fig})" if yes
-                     else f"{phase} no, once the router has chosen them ({fig})")
+        parts.append(f"{phase} yes, each layer's first {d['experts_ahead']:.3g} experts during its attention "
+                     f"({fig})" if yes else f"{phase} no, once the router has chosen them ({fig})")
     tail = "" if ep.get("streamed_layers") else " (no layer's experts stream: all resident)"
     return [f"  experts fetched before routing: {'; '.join(parts)}{tail}"]
 
