@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.memory import pinned
+from moecc_runtime.memory import huge_pages, pinned
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -80,6 +80,8 @@ class KVPool:
             # torch.empty: pages are committed only when first written, so an idle pool costs address space only
             self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, Hkv, NB, bs, D]
             self.v = torch.empty(shape[:-1] + (dv,), dtype=dtype, device=device)  # [L, Hkv, NB, bs, Dv]
+        for t in (self.k, self.v):  # before the first touch: attention's reads jump between blocks
+            huge_pages.advise(t)
         self.pinned = bool(pin and (pinned.is_registered(self.k) or _pinned(self.k)))  # pinning can fail
         elem = self.k.element_size()
         self.bytes_per_token = num_layers * num_kv_heads * (head_dim + dv) * elem

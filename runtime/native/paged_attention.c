@@ -183,6 +183,102 @@ static inline __attribute__((always_inline)) void pv_block(float *acc, int Dv, c
     }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_AVX2_CLONE 1
+#include <immintrin.h>
+
+/* Lane j of the result = the sum of v_j's eight lanes (a transpose-reduce: 6 hadds, 2 permutes). */
+__attribute__((target("avx2,fma"))) static inline __m256 sum8x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3,
+                                                                 __m256 v4, __m256 v5, __m256 v6, __m256 v7) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v4, v5), _mm256_hadd_ps(v6, v7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* qk_block for AVX2 + FMA: a register tile of 4 queries x 2 positions (8 accumulators, each
+ * load of q or k feeding two or four FMAs), the 8 sums reduced together. */
+__attribute__((target("avx2,fma"))) static void qk_avx2(float *s, int bs, const float *q, int64_t qs, int G,
+                                                         const float *k, int64_t ks, int n, int D, float scale) {
+    const int D8 = D & ~7;
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const float *q0 = q + g * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
+        for (int i = 0; i < n; i += 2) {
+            const float *k0 = k + i * ks, *k1 = i + 1 < n ? k0 + ks : k0;  /* odd n: the last position twice */
+            __m256 a00 = _mm256_setzero_ps(), a10 = a00, a20 = a00, a30 = a00;
+            __m256 a01 = a00, a11 = a00, a21 = a00, a31 = a00;
+            for (int d = 0; d < D8; d += 8) {
+                const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+                __m256 y = _mm256_loadu_ps(q0 + d);
+                a00 = _mm256_fmadd_ps(y, x0, a00), a01 = _mm256_fmadd_ps(y, x1, a01);
+                y = _mm256_loadu_ps(q1 + d);
+                a10 = _mm256_fmadd_ps(y, x0, a10), a11 = _mm256_fmadd_ps(y, x1, a11);
+                y = _mm256_loadu_ps(q2 + d);
+                a20 = _mm256_fmadd_ps(y, x0, a20), a21 = _mm256_fmadd_ps(y, x1, a21);
+                y = _mm256_loadu_ps(q3 + d);
+                a30 = _mm256_fmadd_ps(y, x0, a30), a31 = _mm256_fmadd_ps(y, x1, a31);
+            }
+            float t[8];
+            _mm256_storeu_ps(t, sum8x8(a00, a10, a20, a30, a01, a11, a21, a31));
+            for (int d = D8; d < D; d++) {
+                t[0] += q0[d] * k0[d], t[1] += q1[d] * k0[d], t[2] += q2[d] * k0[d], t[3] += q3[d] * k0[d];
+                t[4] += q0[d] * k1[d], t[5] += q1[d] * k1[d], t[6] += q2[d] * k1[d], t[7] += q3[d] * k1[d];
+            }
+            for (int u = 0; u < 4; u++) s[(g + u) * bs + i] = t[u] * scale;
+            if (i + 1 < n)
+                for (int u = 0; u < 4; u++) s[(g + u) * bs + i + 1] = t[4 + u] * scale;
+        }
+    }
+    if (g < G) qk_block(s + (int64_t)g * bs, bs, q + g * qs, qs, G - g, k, ks, n, D, scale);
+}
+
+/* pv_block for AVX2 + FMA: per 24 lanes of Dv, 4 queries' sums (12 accumulators) in
+ * registers while the block's values stream past, each value load feeding four FMAs. */
+__attribute__((target("avx2,fma"))) static void pv_avx2(float *acc, int Dv, const float *p, int bs, int G,
+                                                         const float *v, int64_t vs, int n) {
+    const int D24 = Dv - Dv % 24;
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const float *p0 = p + g * bs, *p1 = p0 + bs, *p2 = p1 + bs, *p3 = p2 + bs;
+        float *c0 = acc + (int64_t)g * Dv, *c1 = c0 + Dv, *c2 = c1 + Dv, *c3 = c2 + Dv;
+        for (int d = 0; d < D24; d += 24) {
+            __m256 a00 = _mm256_loadu_ps(c0 + d), a01 = _mm256_loadu_ps(c0 + d + 8), a02 = _mm256_loadu_ps(c0 + d + 16);
+            __m256 a10 = _mm256_loadu_ps(c1 + d), a11 = _mm256_loadu_ps(c1 + d + 8), a12 = _mm256_loadu_ps(c1 + d + 16);
+            __m256 a20 = _mm256_loadu_ps(c2 + d), a21 = _mm256_loadu_ps(c2 + d + 8), a22 = _mm256_loadu_ps(c2 + d + 16);
+            __m256 a30 = _mm256_loadu_ps(c3 + d), a31 = _mm256_loadu_ps(c3 + d + 8), a32 = _mm256_loadu_ps(c3 + d + 16);
+            for (int i = 0; i < n; i++) {
+                const float *vi = v + i * vs + d;
+                const __m256 x0 = _mm256_loadu_ps(vi), x1 = _mm256_loadu_ps(vi + 8), x2 = _mm256_loadu_ps(vi + 16);
+                __m256 b = _mm256_broadcast_ss(p0 + i);
+                a00 = _mm256_fmadd_ps(b, x0, a00), a01 = _mm256_fmadd_ps(b, x1, a01), a02 = _mm256_fmadd_ps(b, x2, a02);
+                b = _mm256_broadcast_ss(p1 + i);
+                a10 = _mm256_fmadd_ps(b, x0, a10), a11 = _mm256_fmadd_ps(b, x1, a11), a12 = _mm256_fmadd_ps(b, x2, a12);
+                b = _mm256_broadcast_ss(p2 + i);
+                a20 = _mm256_fmadd_ps(b, x0, a20), a21 = _mm256_fmadd_ps(b, x1, a21), a22 = _mm256_fmadd_ps(b, x2, a22);
+                b = _mm256_broadcast_ss(p3 + i);
+                a30 = _mm256_fmadd_ps(b, x0, a30), a31 = _mm256_fmadd_ps(b, x1, a31), a32 = _mm256_fmadd_ps(b, x2, a32);
+            }
+            _mm256_storeu_ps(c0 + d, a00), _mm256_storeu_ps(c0 + d + 8, a01), _mm256_storeu_ps(c0 + d + 16, a02);
+            _mm256_storeu_ps(c1 + d, a10), _mm256_storeu_ps(c1 + d + 8, a11), _mm256_storeu_ps(c1 + d + 16, a12);
+            _mm256_storeu_ps(c2 + d, a20), _mm256_storeu_ps(c2 + d + 8, a21), _mm256_storeu_ps(c2 + d + 16, a22);
+            _mm256_storeu_ps(c3 + d, a30), _mm256_storeu_ps(c3 + d + 8, a31), _mm256_storeu_ps(c3 + d + 16, a32);
+        }
+        if (D24 < Dv) {  /* the last Dv % 24 lanes */
+            float *cs[4] = {c0, c1, c2, c3};
+            const float *ps[4] = {p0, p1, p2, p3};
+            for (int u = 0; u < 4; u++)
+                for (int d = D24; d < Dv; d++)
+                    for (int i = 0; i < n; i++) cs[u][d] += ps[u][i] * v[i * vs + d];
+        }
+    }
+    if (g < G) pv_block(acc + (int64_t)g * Dv, Dv, p + g * bs, bs, G - g, v, vs, n);
+}
+#endif
+
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 3  /* how many blocks ahead of the one computing are asked for */
+#endif
+
 /* Ask for the K and V rows of pool block `blk` (head h) while the current block computes:
  * a block is a few KB at a random place in the pool, too short for the hardware prefetcher
  * to reach full speed on its own. */
@@ -197,7 +293,8 @@ static inline __attribute__((always_inline)) void prefetch_block(const Job *j, i
 
 /* One (row, KV head): scratch holds G*bs scores, bs*(D+Dv) converted K/V, G*Dv accumulators.
  * Per block: scores, the running max and sum per query (online softmax), rescaled sums. */
-static inline __attribute__((always_inline)) void attend_item(const Job *j, int64_t r, int h, float *scratch) {
+static inline __attribute__((always_inline)) void attend_item(const Job *j, int64_t r, int h, float *scratch,
+                                                              int avx2) {
     const int G = j->G, D = j->D, Dv = j->Dv, bs = j->bs;
     float *scores = scratch;                       /* [G, bs] */
     float *kbuf = scores + (int64_t)G * bs;        /* [bs, D] */
@@ -226,9 +323,15 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int6
                 load_vec(vbuf + (int64_t)i * Dv, j->v, vat + i * j->v_pos, Dv, j->kv_dtype);
             }
         }
-        if (p0 == lo && p0 + n < c) prefetch_block(j, h, table[(p0 + n) / bs]);  /* the item's second block */
-        if (p0 + n + bs < c) prefetch_block(j, h, table[(p0 + n) / bs + 1]);  /* two blocks ahead */
-        qk_block(scores, bs, q, j->q_head, G, kb, ks, n, D, j->scale);
+        if (p0 == lo) {  /* the item's next blocks */
+            for (int a = 0; a < PREFETCH_BLOCKS - 1 && p0 + n + a * bs < c; a++) prefetch_block(j, h, table[(p0 + n) / bs + a]);
+        }
+        if (p0 + n + (PREFETCH_BLOCKS - 1) * bs < c) prefetch_block(j, h, table[(p0 + n) / bs + PREFETCH_BLOCKS - 1]);
+#ifdef HAVE_AVX2_CLONE
+        if (avx2) qk_avx2(scores, bs, q, j->q_head, G, kb, ks, n, D, j->scale);
+        else
+#endif
+            qk_block(scores, bs, q, j->q_head, G, kb, ks, n, D, j->scale);
         for (int g = 0; g < G; g++) {
             float *s = scores + (int64_t)g * bs;
             float mx = m[g];
@@ -243,7 +346,11 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int6
             m[g] = mx;
             l[g] = sum;
         }
-        pv_block(acc, Dv, scores, bs, G, vb, vs, n);
+#ifdef HAVE_AVX2_CLONE
+        if (avx2) pv_avx2(acc, Dv, scores, bs, G, vb, vs, n);
+        else
+#endif
+            pv_block(acc, Dv, scores, bs, G, vb, vs, n);
         p0 += n;
     }
     for (int g = 0; g < G; g++) {
@@ -264,14 +371,13 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int6
 /* The item loop twice: compiled for AVX2 + FMA, and for the baseline ISA; chosen once by
  * what the CPU reports (a dispatch of our own: GCC's arch= clones test the CPU model name,
  * which virtual machines often do not report). */
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HAVE_AVX2_CLONE 1
+#ifdef HAVE_AVX2_CLONE
 __attribute__((target("avx2,fma"))) static void run_items_avx2(Job *j, float *scratch) {
     const int64_t items = j->nrows * j->Hkv;
     for (;;) {
         const int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (it >= items) break;
-        attend_item(j, j->rows[it / j->Hkv], (int)(it % j->Hkv), scratch);
+        attend_item(j, j->rows[it / j->Hkv], (int)(it % j->Hkv), scratch, 1);
     }
 }
 #endif
@@ -281,7 +387,7 @@ static void run_items_base(Job *j, float *scratch) {
     for (;;) {
         const int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (it >= items) break;
-        attend_item(j, j->rows[it / j->Hkv], (int)(it % j->Hkv), scratch);
+        attend_item(j, j->rows[it / j->Hkv], (int)(it % j->Hkv), scratch, 0);
     }
 }
 
