@@ -16,7 +16,7 @@ With --engine MODEL_DIR the whole worker runs instead: a plan compiled for the s
 prompts of `context` tokens each prefilled, then decode steps, once with attention on the
 host and once with today's gather path (`Engine(attention="device")`, which on a CPU gathers
 each micro-batch's KV into a buffer); the attention modules' time of one traced decode step
-(projections, rope, the KV store and attention, every layer) is compared.
+(the KV gather, projections, rope, the KV store and attention, every layer) is compared.
 """
 
 from __future__ import annotations
@@ -96,8 +96,26 @@ def engine_attention_s(model: Path, B: int, ctx: int, placement: str) -> dict[st
         step = engine.stats.timeline["decode"]
     finally:
         engine.close()
-    attn = sum(j[5] for j in step["jobs"] if j[2] == "attention")
-    return {"attention_s": attn, "step_s": step["step_s"], "sequences": step["sequences"], "context": step["context"]}
+    return {"attention_s": attention_module_s(step["jobs"]), "step_s": step["step_s"], "sequences": step["sequences"],
+            "context": step["context"]}
+
+
+def attention_module_s(jobs: list[list[Any]]) -> float:
+    """Seconds the attention modules took, every layer: from the end of the job before a
+    module's first (the KV gather, untraced on a CPU, happens in that gap) to its last job's end.
+    Jobs: [name, lane, kind, layer, start, seconds]."""
+    jobs = sorted((j for j in jobs if j[1] == "compute"), key=lambda j: j[4])
+    total, i = 0.0, 0
+    while i < len(jobs):
+        if ".attn" not in jobs[i][0]:
+            i += 1
+            continue
+        begin = jobs[i - 1][4] + jobs[i - 1][5] if i else jobs[i][4]
+        while i < len(jobs) and ".attn" in jobs[i][0]:
+            end = jobs[i][4] + jobs[i][5]
+            i += 1
+        total += end - begin
+    return total
 
 
 def run_engine(model: Path, B: int, contexts: list[int]) -> list[dict[str, Any]]:
