@@ -31,6 +31,9 @@ import sys, moecc, moecc_runtime, moecc.planner
 for m in (moecc, moecc_runtime, moecc.planner):
     assert m.__file__.startswith(sys.prefix), f"{m.__name__} imported from {m.__file__}, not the venv"
 print("check_install: imports from", sys.prefix)
+import moecc_runtime.native as native
+assert native.available(), "the wheel carries no host attention kernel (moecc_runtime.native._paged_attention)"
+print("check_install: host attention kernel built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"
 "$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt
