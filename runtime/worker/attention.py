@@ -111,6 +111,21 @@ def _decode_group(mb: MicroBatch, members: list[tuple[int, int, int]], nblk: int
     return DecodeGroup(rows, first, len(members), nblk, mask)
 
 
+def project_qkv(op: dict, x: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor):
+    """The attention op's queries, new keys and values for x [t, H], and `finish` (latent
+    attention: maps its output through W_UV and o_proj; None: multi-head attention, whose
+    output goes through o_proj). MHA: [t, Hq, D], [t, Hkv, D] x2; MLA: [t, nh, kl+R],
+    [t, 1, kl+R], [t, 1, 0]."""
+    a = op["attrs"]
+    variant = a.get("variant", "mha")
+    if variant == "mla":
+        return kernels.mla_qkv(x, w, a, rope)
+    if variant == "mha":
+        return (*kernels.attention_qkv(x, w, a, rope), None)
+    raise RuntimeError(f"runtime: attention variant {variant!r} (node {op['name']}) is not "
+                       f"implemented by this runtime")
+
+
 class GatheredAttention:
     """Attention on the compute device over the micro-batch's KV gathered there."""
 
@@ -128,15 +143,7 @@ class GatheredAttention:
         (MLA: one cached "head" holding the latent and the rope key, values read from the
         latent part)."""
         a = op["attrs"]
-        variant = a.get("variant", "mha")
-        if variant == "mla":
-            q, k, v, finish = kernels.mla_qkv(x, w, a, rope)  # [t, nh, kl+R], [t, 1, kl+R], [t, 1, 0]
-        elif variant == "mha":
-            q, k, v = kernels.attention_qkv(x, w, a, rope)  # [t, Hq, D], [t, Hkv, D] x2
-            finish = None
-        else:
-            raise RuntimeError(f"runtime: attention variant {variant!r} (node {op['name']}) is not "
-                               f"implemented by this runtime")
+        q, k, v, finish = project_qkv(op, x, w, rope)
         # kv_store: on CUDA asynchronous (device->host stream, pinned), in the pool by the step's end
         self.pool.store(a["layer_index"], mb.write_blocks, mb.write_offsets, k, v)
         view = kv_view(mb, a.get("sliding_window"), self.pool.block_size)

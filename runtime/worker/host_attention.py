@@ -28,7 +28,7 @@ import torch
 from moecc_runtime import native
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.worker import kernels
-from moecc_runtime.worker.attention import attend_decode, blocks_needed, kv_view
+from moecc_runtime.worker.attention import attend_decode, blocks_needed, kv_view, project_qkv
 from moecc_runtime.worker.batch import MicroBatch
 
 
@@ -88,15 +88,7 @@ class HostAttention:
                  w: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [t, H] -> [t, H]; the micro-batch's new K/V are in the pool afterwards."""
         a = op["attrs"]
-        variant = a.get("variant", "mha")
-        if variant == "mla":
-            q, k, v, finish = kernels.mla_qkv(x, w, a, rope)  # [t, nh, kl+R], [t, 1, kl+R], [t, 1, 0]
-        elif variant == "mha":
-            q, k, v = kernels.attention_qkv(x, w, a, rope)  # [t, Hq, D], [t, Hkv, D] x2
-            finish = None
-        else:
-            raise RuntimeError(f"runtime: attention variant {variant!r} (node {op['name']}) is not "
-                               f"implemented by this runtime")
+        q, k, v, finish = project_qkv(op, x, w, rope)
         layer = a["layer_index"]
         if q.is_cuda and self.pool.d2h is not None:  # kv_store and the queries: one batch, one event
             (hk, hv, qh), ready = self.pool.d2h.start(k, v, q)
