@@ -102,7 +102,8 @@ def generate(
             continue
         logits = engine.worker.execute(plan).logits  # [S', V]
         finishing = sched.advance(plan)
-        chosen = choose(logits, [_request(s) for s in finishing], [s.generator for s in finishing])
+        chosen = choose(logits, [_request(s) for s in finishing], [s.generator for s in finishing],
+                        [s.tokens for s in finishing], [s.prompt_len for s in finishing], eos)
         for s, row, tok in zip(finishing, logits, chosen):
             if isinstance(tok, SamplingError):  # this request fails alone
                 sched.retire(s)
@@ -134,6 +135,6 @@ def _finish_reason(s: Sequence, tok: int, eos: set[int],
     max_tokens), or None while it goes on."""
     req = _request(s)
     reason = "stop" if tok in eos else "length" if len(s.generated) >= s.max_new else None
-    if req.stop and stop_check is not None and stop_check(req, s.generated):
+    if req.stop and stop_check is not None and len(s.generated) >= req.min_tokens and stop_check(req, s.generated):
         reason = "stop"
     return reason

@@ -1,6 +1,8 @@
 """The sampler: next tokens for a whole step's logits, greedy, or sampling with temperature,
 top-k and top-p from a per-request generator (seeded, so a seeded request is reproducible
-whatever else runs).
+whatever else runs). A request's logit_bias, min_tokens, repetition_penalty and
+presence/frequency penalties reshape its row first (`adjust_logits`); a request with none of
+them takes exactly the path it took before they existed.
 
 Legend: S = sequences choosing a token this step, V = vocabulary.
 """
@@ -8,7 +10,7 @@ Legend: S = sequences choosing a token this step, V = vocabulary.
 from __future__ import annotations
 
 import zlib
-from typing import Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
 import torch
 
@@ -21,24 +23,71 @@ class SamplingParams(Protocol):
     top_k: int
 
 
+def is_neutral(p: object) -> bool:
+    """Whether `p` sets none of the penalties, biases and floors (its logits go unchanged)."""
+    return (getattr(p, "presence_penalty", 0.0) == 0.0 and getattr(p, "frequency_penalty", 0.0) == 0.0
+            and getattr(p, "repetition_penalty", 1.0) == 1.0 and not getattr(p, "logit_bias", ())
+            and getattr(p, "min_tokens", 0) <= 0)
+
+
+def adjust_logits(logits: torch.Tensor, p: object, tokens: Sequence[int], prompt_len: int,
+                  eos: Collection[int] = ()) -> torch.Tensor:
+    """logits [V] of one request -> a new float32 row [V] with, in this order:
+    logit_bias added (`p.logit_bias`: (token id, bias) pairs); EOS set to -inf while fewer than
+    `p.min_tokens` tokens were generated; repetition_penalty (vLLM/HF) over the tokens of
+    prompt + generated (`tokens`): a logit > 0 divided by it, any other multiplied by it;
+    then OpenAI's presence and frequency penalties over the generated tokens
+    (`tokens[prompt_len:]`): logit[t] -= presence * (count[t] > 0) + frequency * count[t]."""
+    x = logits.float().clone()
+    dev, V = x.device, x.numel()
+    bias = getattr(p, "logit_bias", ())
+    if bias:
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=dev)
+        x.index_add_(0, ids, torch.tensor([b for _, b in bias], dtype=torch.float32, device=dev))
+    generated = tokens[prompt_len:]
+    floor = getattr(p, "min_tokens", 0)
+    if floor > 0 and len(generated) < floor and eos:
+        x[torch.tensor(sorted(eos), dtype=torch.long, device=dev)] = float("-inf")
+    rep = getattr(p, "repetition_penalty", 1.0)
+    if rep != 1.0 and len(tokens):
+        seen = torch.tensor(sorted(set(tokens)), dtype=torch.long, device=dev)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / rep, v * rep)
+    presence, frequency = getattr(p, "presence_penalty", 0.0), getattr(p, "frequency_penalty", 0.0)
+    if (presence != 0.0 or frequency != 0.0) and len(generated):
+        counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long, device=dev), minlength=V)[:V].float()
+        x -= frequency * counts + presence * (counts > 0).float()
+    return x
+
+
 class SamplingError(ValueError):
     """One row's logits cannot be sampled (not finite): that request fails, the others go on."""
 
 
 def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int | SamplingError]:
+           generators: Sequence[torch.Generator | None], tokens: Sequence[Sequence[int]] | None = None,
+           prompt_lens: Sequence[int] | None = None, eos: Collection[int] = ()) -> list[int | SamplingError]:
     """logits [S, V] -> one token per row: greedy rows in one argmax, the rest sampled per
     row with its request's parameters and generator. A row whose logits are not all finite
-    gets a SamplingError in its place instead of a token."""
+    gets a SamplingError in its place instead of a token. A row whose request sets penalties,
+    a logit_bias or min_tokens is first reshaped by `adjust_logits` from its `tokens` (prompt +
+    generated so far), `prompt_lens` and the model's `eos` ids; the others are untouched."""
     finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S]
-    greedy = [i for i, p in enumerate(params) if p.temperature <= 0.0 and finite[i]]
+    shaped = {i for i, p in enumerate(params) if finite[i] and not is_neutral(p)}
+    if shaped and (tokens is None or prompt_lens is None):
+        raise ValueError("requests with penalties, logit_bias or min_tokens need their tokens and prompt lengths")
+    greedy = [i for i, p in enumerate(params) if p.temperature <= 0.0 and finite[i] and i not in shaped]
     out: list[int | SamplingError] = [SamplingError("the model's logits for this request are not finite "
                                                     "(NaN or infinite)") for _ in params]
     if greedy:
         for i, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
             out[i] = t
     for i, p in enumerate(params):
-        if p.temperature > 0.0 and finite[i]:
+        if i in shaped:
+            assert tokens is not None and prompt_lens is not None
+            row = adjust_logits(logits[i], p, tokens[i], prompt_lens[i], eos)
+            out[i] = next_token(row, p.temperature, p.top_p, p.top_k, generators[i])
+        elif p.temperature > 0.0 and finite[i]:
             out[i] = next_token(logits[i], p.temperature, p.top_p, p.top_k, generators[i])
     return out
 

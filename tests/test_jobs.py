@@ -148,7 +148,7 @@ BATCH = [
     {"custom_id": "simple-1", "prompt": "on an axle", "max_tokens": 4},
     {"custom_id": "bad-n", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}},
     {"custom_id": "bad-param", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"messages": [{"role": "user", "content": "x"}], "logit_bias": {}}},
+     "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}},
 ]
 
 
@@ -189,7 +189,7 @@ def test_openai_batch_round_trip_field_by_field(job, tmp_path):
     assert rows["chat-1"]["response"]["body"]["usage"]["completion_tokens"] <= 6
     errs = {r["custom_id"]: r for r in read_jsonl(errors)}
     assert set(errs) == {"bad-n", "bad-param"}
-    for cid, line, param in (("bad-n", 4, "body.n"), ("bad-param", 5, "body.logit_bias")):
+    for cid, line, param in (("bad-n", 4, "body.n"), ("bad-param", 5, "body.tools")):
         e = errs[cid]
         assert e["error"] is None and e["response"]["status_code"] == 400
         err = e["response"]["body"]["error"]
@@ -222,7 +222,7 @@ def test_every_kind_of_bad_line_fails_alone_with_line_and_field(job, tmp_path):
         b'{"custom_id": "broken", "prompt": "x"',  # malformed JSON
         json.dumps({"custom_id": "no-prompt", "max_tokens": 3}).encode(),  # missing field
         json.dumps({"custom_id": "typed", "prompt": "x", "max_tokens": "3"}).encode(),  # wrong type
-        json.dumps({"custom_id": "unknown", "prompt": "x", "frequency_penalty": 1}).encode(),  # unknown parameter
+        json.dumps({"custom_id": "unknown", "prompt": "x", "best_of": 2}).encode(),  # unknown parameter
         json.dumps({"custom_id": "empty", "prompt": ""}).encode(),  # empty prompt
         json.dumps({"custom_id": "long", "prompt": long_prompt}).encode(),  # longer than the context
         json.dumps({"custom_id": "ok-1", "prompt": "again"}).encode(),  # duplicate custom_id
@@ -238,7 +238,7 @@ def test_every_kind_of_bad_line_fails_alone_with_line_and_field(job, tmp_path):
     assert "2 ok, 8 failed of 10 requests" in err
     assert {r["custom_id"] for r in read_jsonl(out)} == {"ok-1", "ok-2"}
     got = {(e["error"]["line"], e["error"]["field"]) for e in read_jsonl(errors)}
-    assert got == {(2, None), (3, None), (4, "max_tokens"), (5, "frequency_penalty"), (6, "prompt"),
+    assert got == {(2, None), (3, None), (4, "max_tokens"), (5, "best_of"), (6, "prompt"),
                    (7, "prompt"), (8, "custom_id"), (9, None)}
     for e in read_jsonl(errors):
         assert e["error"]["message"]

@@ -134,7 +134,7 @@ def test_iter_requests_streams_in_file_order(tmp_path: Path) -> None:
         ('{"messages": [{"role": "user"}]}', "messages[0].content", "missing required field"),
         ('{"messages": [{"content": "x"}]}', "messages[0].role", "missing required field"),
         ('{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},'
-         ' {"role": "user", "content": 7}]}', "messages[2].content", "expected a string, got int 7"),
+         ' {"role": "user", "content": 7}]}', "messages[2].content", "expected a string or an array of text parts, got int 7"),
         ('{"messages": [{"role": 1, "content": "a"}]}', "messages[0].role", "expected a string, got int 1"),
         ('{"messages": [{"role": "", "content": "a"}]}', "messages[0].role", "must not be empty"),
         ('{"messages": [{"role": "user", "content": "a", "name": "bob"}]}', "messages[0].name",
@@ -160,7 +160,8 @@ def test_iter_requests_streams_in_file_order(tmp_path: Path) -> None:
         ('{"prompt": "a", "seed": 18446744073709551616}', "seed", "expected an integer in [0, 2**64)"),
         ('{"prompt": "a", "max_new_tokens": 5}', "max_new_tokens",
          "unknown field 'max_new_tokens' (known: custom_id, prompt, messages, max_tokens, temperature,"
-         " top_p, top_k, seed, stop)"),
+         " top_p, top_k, seed, stop, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,"
+         " min_tokens)"),
         ('{"prompt": "a", "logprobs": true}', "logprobs", "unknown field 'logprobs' (not supported by moecc)"),
         ('{"prompt": "a", "x": 1, "y": 2}', "x", "unknown fields 'x', 'y'"),
     ],

@@ -411,5 +411,10 @@ def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab:
     if len(ids) >= context:
         raise ValueError(f"prompt is {len(ids)} tokens, the model's context is {context}; "
                          f"shorten it to at most {context - 1} tokens")
+    bad = next((t for t, _ in req.logit_bias if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias names token id {bad}, outside the model's vocabulary of {vocab}")
     max_new = min(req.max_tokens or default_max, context - len(ids))
-    return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop)
+    return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop,
+                      req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.logit_bias,
+                      req.min_tokens)

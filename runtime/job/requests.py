@@ -38,20 +38,53 @@ __all__ = [
     "read_requests",
 ]
 
+#: the sampler's penalties, biases and floors (runtime/sampling.py), in both line forms
+PENALTY_FIELDS: tuple[str, ...] = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                                   "min_tokens")
 KNOWN_FIELDS: tuple[str, ...] = (
     "custom_id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-)
+) + PENALTY_FIELDS
 #: OpenAI Batch API lines: these top-level fields, and a body with these parameters
 BATCH_FIELDS: tuple[str, ...] = ("custom_id", "method", "url", "body")
 BATCH_URLS: dict[str, str] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+#: body fields that do not change what is generated: accepted and ignored (`model` is echoed)
+IGNORED_BODY_FIELDS: tuple[str, ...] = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+#: body fields accepted only with a neutral value (see _NEUTRAL); any other value fails the line
+_NEUTRAL: dict[str, tuple[Callable[[object], bool], str, str]] = {
+    # field: (is this value neutral?, the neutral values, why another value fails)
+    "stream": (lambda v: v is None or v is False, "false",
+               "streaming is not supported by moecc (a batch job writes whole results)"),
+    "stream_options": (lambda v: v is None, "null", "streaming is not supported by moecc"),
+    "n": (lambda v: v is None or (type(v) is int and v == 1), "1",
+          "n > 1 (several completions per request) is not supported yet"),
+    "logprobs": (lambda v: v is None or v is False, "false or null", "logprobs are not supported yet"),
+    "top_logprobs": (lambda v: v is None or (type(v) is int and v == 0), "0 or null",
+                     "top_logprobs are not supported yet"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}',
+                        "structured output (response_format other than text) is not supported yet"),
+    "echo": (lambda v: v is None or v is False, "false", "echo is not supported yet"),
+    "best_of": (lambda v: v is None or (type(v) is int and v == 1), "1", "best_of > 1 is not supported yet"),
+    "suffix": (lambda v: v is None, "null", "suffix (insertion) is not supported yet"),
+}
+#: body fields that always fail the line: what moecc does not do
+_REFUSED: dict[str, str] = {
+    "tools": "tool calling is not supported by moecc",
+    "tool_choice": "tool calling is not supported by moecc",
+    "functions": "function calling is not supported by moecc",
+    "function_call": "function calling is not supported by moecc",
+}
+_BODY_SAMPLING: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") + PENALTY_FIELDS
 BODY_FIELDS: dict[str, tuple[str, ...]] = {
-    "chat": ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n"),
-    "completions": ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
+    "chat": ("model", "messages", "max_completion_tokens", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS,
+             *(k for k in _NEUTRAL if k not in ("echo", "best_of", "suffix")), *_REFUSED),
+    "completions": ("model", "prompt", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS, *_NEUTRAL, *_REFUSED),
 }
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
 _MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
-_NOT_YET_SUPPORTED = frozenset({"logprobs", "top_logprobs", "stream", "tools", "response_format", "echo",
-                                "best_of", "logit_bias", "presence_penalty", "frequency_penalty", "suffix"})
+_NOT_YET_SUPPORTED = frozenset({"logprobs", "top_logprobs", "stream", "tools", "tool_choice", "functions",
+                                "response_format", "echo", "best_of", "suffix", "n"})
+_PENALTY_LIMIT = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+_BIAS_LIMIT = 100.0  # and for logit_bias values: [-100, 100]
 _SEED_LIMIT = 2**64  # torch.manual_seed accepts seeds in [0, 2**64)
 _UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -72,6 +105,11 @@ class Request:
     stop: tuple[str, ...] = ()  # generation stops when the output text contains one of these
     api: str = "simple"  # the line's form: "simple", or the Batch API's "chat" / "completions"
     model: str | None = None  # the Batch API body's "model" (echoed in the output)
+    presence_penalty: float = 0.0  # OpenAI: minus this once for each token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often a token was generated
+    repetition_penalty: float = 1.0  # vLLM/HF, over prompt + generated tokens; 1.0 means off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
+    min_tokens: int = 0  # EOS (and stop strings) held off until this many tokens were generated
 
 
 @dataclass(frozen=True)
@@ -202,9 +240,53 @@ def _check_messages(value: object) -> tuple[dict[str, str], ...]:
             if key not in item:
                 raise RequestFieldError(f"{where}.{key}", "missing required field")
         role = _check_str(item["role"], f"{where}.role", allow_empty=False)
-        content = _check_str(item["content"], f"{where}.content")
+        content = _check_content(item["content"], f"{where}.content")
         messages.append({"role": role, "content": content})
     return tuple(messages)
+
+
+def _check_content(value: object, field: str) -> str:
+    """A message's content: a string, or a list of text parts (``[{"type": "text", "text": ...}]``,
+    as the OpenAI API allows), joined in order with newlines (as vLLM joins them)."""
+    if not isinstance(value, list):
+        if not isinstance(value, str):
+            raise RequestFieldError(field, f"expected a string or an array of text parts, got {_describe(value)}")
+        return _check_str(value, field)
+    texts = []
+    for j, part in enumerate(value):
+        where = f"{field}[{j}]"
+        if not isinstance(part, dict):
+            raise RequestFieldError(where, f"expected a content part object {{\"type\": \"text\", \"text\": ...}}, "
+                                    f"got {_describe(part)}")
+        if "type" not in part:
+            raise RequestFieldError(f"{where}.type", "missing required field")
+        kind = _check_str(part["type"], f"{where}.type")
+        if kind != "text":
+            raise RequestFieldError(f"{where}.type", f"content part type {kind!r} is not supported by moecc "
+                                    "(text only: a text model reads no images, audio or files)")
+        for key in part:
+            if key not in ("type", "text"):
+                raise RequestFieldError(f"{where}.{key}", f"unknown field '{key}' (known: type, text)")
+        if "text" not in part:
+            raise RequestFieldError(f"{where}.text", "missing required field")
+        texts.append(_check_str(part["text"], f"{where}.text"))
+    return "\n".join(texts)
+
+
+def _check_logit_bias(value: object, field: str) -> tuple[tuple[int, float], ...]:
+    """{"<token id>": bias in [-100, 100], ...} -> sorted ((token id, bias), ...)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestFieldError(field, f"expected an object of token id -> bias, got {_describe(value)}")
+    out = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise RequestFieldError(f"{field}.{key}", f"expected a token id (a decimal integer >= 0) as the key, "
+                                    f"got {_describe(key)}")
+        out.append((int(key), _check_float(bias, f"{field}.{key}", expected="a number in [-100, 100]",
+                                           ok=lambda b: -_BIAS_LIMIT <= b <= _BIAS_LIMIT)))
+    return tuple(sorted(out))
 
 
 def _check_stop(value: object, field: str) -> tuple[str, ...]:
@@ -219,8 +301,21 @@ def _check_stop(value: object, field: str) -> tuple[str, ...]:
 
 
 def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
-    """max_tokens, temperature, top_p, top_k, seed and stop of a simple line or a Batch API body."""
+    """max_tokens, temperature, top_p, top_k, seed, stop and the penalties of a simple line or a
+    Batch API body (where, as in vLLM, top_k -1 also means off)."""
     out: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if obj.get(name) is not None:
+            out[name] = _check_float(obj[name], prefix + name, expected="a number in [-2, 2]",
+                                     ok=lambda v: -_PENALTY_LIMIT <= v <= _PENALTY_LIMIT)
+    if obj.get("repetition_penalty") is not None:
+        out["repetition_penalty"] = _check_float(obj["repetition_penalty"], prefix + "repetition_penalty",
+                                                 expected="a number > 0 (1 means off)", ok=lambda v: v > 0)
+    if "logit_bias" in obj:
+        out["logit_bias"] = _check_logit_bias(obj["logit_bias"], prefix + "logit_bias")
+    if obj.get("min_tokens") is not None:
+        out["min_tokens"] = _check_int(obj["min_tokens"], prefix + "min_tokens", lo=0, hi=None,
+                                       expected="an integer >= 0")
     if "max_tokens" in obj:
         out["max_tokens"] = _check_int(obj["max_tokens"], prefix + "max_tokens", lo=1, hi=None,
                                        expected="an integer >= 1")
@@ -234,13 +329,19 @@ def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
         out["top_p"] = _check_float(obj["top_p"], prefix + "top_p", expected="a number in (0, 1]",
                                     ok=lambda p: 0 < p <= 1)
     if "top_k" in obj:
-        out["top_k"] = _check_int(obj["top_k"], prefix + "top_k", lo=0, hi=None,
-                                  expected="an integer >= 0 (0 means off)")
+        if prefix and obj["top_k"] == -1 and type(obj["top_k"]) is int:
+            out["top_k"] = 0  # vLLM's "off"
+        else:
+            out["top_k"] = _check_int(obj["top_k"], prefix + "top_k", lo=0, hi=None,
+                                      expected="an integer >= 0 (0 means off)")
     if "seed" in obj:
         out["seed"] = _check_int(obj["seed"], prefix + "seed", lo=0, hi=_SEED_LIMIT,
                                  expected="an integer in [0, 2**64)")
     if "stop" in obj and obj["stop"] is not None:
         out["stop"] = _check_stop(obj["stop"], prefix + "stop")
+    if out.get("min_tokens", 0) > out.get("max_tokens", math.inf):
+        raise RequestFieldError(prefix + "min_tokens", f"must be at most max_tokens ({out['max_tokens']}), "
+                                f"got {_describe(out['min_tokens'])}")
     return out
 
 
@@ -277,9 +378,14 @@ def _parse_batch_line(obj: dict, line: int, custom_id: str) -> Request:
     if not isinstance(body, dict):
         raise RequestFieldError("body", f"expected an object of request parameters, got {_describe(body)}")
     _unknown(body, BODY_FIELDS[api], "body.")
-    if "n" in body and (isinstance(body["n"], bool) or body["n"] != 1):
-        raise RequestFieldError("body.n", f"only n = 1 is supported, got {_describe(body['n'])}")
-    model = _check_str(body["model"], "body.model") if "model" in body else None
+    for key in body:
+        if key in _REFUSED:
+            raise RequestFieldError(f"body.{key}", f"{_REFUSED[key]}; remove '{key}' from the request")
+        if key in _NEUTRAL:
+            neutral, accepted, why = _NEUTRAL[key]
+            if not neutral(body[key]):
+                raise RequestFieldError(f"body.{key}", f"{why} (accepted: {accepted}), got {_describe(body[key])}")
+    model = _check_str(body["model"], "body.model") if body.get("model") is not None else None
     if api == "chat":
         if "messages" not in body:
             raise RequestFieldError("body.messages", "missing required field for /v1/chat/completions")

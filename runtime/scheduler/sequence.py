@@ -18,6 +18,11 @@ class GenRequest:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings (checked by generate's stop_check)
+    presence_penalty: float = 0.0  # these five: see sampling.adjust_logits
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # no EOS and no stop string before this many generated tokens
 
 
 @dataclass
