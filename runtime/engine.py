@@ -23,7 +23,7 @@ from moecc_runtime.memory.kv import KVGeometry
 from moecc_runtime.sampling import SamplingError, choose
 from moecc_runtime.scheduler.blocks import BlockAllocator
 from moecc_runtime.scheduler.scheduler import DEFAULT_PREFILL_TOKENS, Scheduler
-from moecc_runtime.scheduler.sequence import GenRequest, GenResult, Sequence
+from moecc_runtime.scheduler.sequence import GenRequest, GenResult, LogprobEntry, Sequence
 from moecc_runtime.worker.stats import EngineStats
 from moecc_runtime.worker.worker import Worker
 
@@ -102,9 +102,12 @@ def generate(
             continue
         logits = engine.worker.execute(plan).logits  # [S', V]
         finishing = sched.advance(plan)
+        asked = [i for i, s in enumerate(finishing) if _request(s).logprobs is not None]
+        lps = _log_softmax(logits, asked)  # before choose: of the raw logits, whatever the sampler does
         chosen = choose(logits, [_request(s) for s in finishing], [s.generator for s in finishing],
                         [s.tokens for s in finishing], [s.prompt_len for s in finishing], eos)
-        for s, row, tok in zip(finishing, logits, chosen):
+        entries = _entries(lps, asked, chosen, [_request(finishing[i]).logprobs or 0 for i in asked])
+        for i, (s, row, tok) in enumerate(zip(finishing, logits, chosen)):
             if isinstance(tok, SamplingError):  # this request fails alone
                 sched.retire(s)
                 if on_error is None:
@@ -113,15 +116,48 @@ def generate(
                 continue
             if record_logits:
                 s.logits.append(row.clone())
+            if i in entries:
+                s.logprobs.append(entries[i])
             s.tokens.append(tok)
             reason = _finish_reason(s, tok, eos, stop_check)
             if reason is not None:
                 sched.retire(s)
                 req = _request(s)
-                on_finish(GenResult(req.key, req.prompt_ids, s.generated, reason, s.logits))
+                on_finish(GenResult(req.key, req.prompt_ids, s.generated, reason, s.logits,
+                                    s.logprobs if req.logprobs is not None else None))
         if on_step is not None:
             on_step(len(finishing), len(sched.running))
     return "drained" if sched.queue else "done"
+
+
+def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """The fp32 log-softmax of the step's raw logits for `rows` (those whose request asked
+    for logprobs), or None when none did."""
+    if not rows:
+        return None
+    return torch.log_softmax(logits[rows].float(), dim=-1)
+
+
+def _entries(lps: torch.Tensor | None, rows: list[int], chosen: list[Any],
+             tops: list[int]) -> dict[int, LogprobEntry]:
+    """Row index -> (the chosen token's logprob, its request's top-N [(id, logprob)], best
+    first) for each row in `rows` that got a token; one top-k and one host copy per step."""
+    if lps is None:
+        return {}
+    ok = [j for j, i in enumerate(rows) if isinstance(chosen[i], int)]
+    if not ok:
+        return {}
+    ids = torch.tensor([chosen[rows[j]] for j in ok], dtype=torch.long, device=lps.device)
+    sub = lps[ok]
+    picked = sub.gather(1, ids[:, None])[:, 0].cpu().tolist()
+    k = min(max(tops[j] for j in ok), sub.shape[-1])
+    top_v, top_i = (sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long()))
+    top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()
+    out: dict[int, LogprobEntry] = {}
+    for n, j in enumerate(ok):
+        n_top = tops[j]
+        out[rows[j]] = (picked[n], list(zip(top_i[n][:n_top], top_v[n][:n_top])))
+    return out
 
 
 def _request(s: Sequence) -> GenRequest:

@@ -18,6 +18,7 @@ class Tokenizer:
         except Exception as e:
             raise RuntimeError(f"{model_dir}: cannot load the tokenizer: {e}") from e
         self._max_token_chars: int | None = None
+        self._token_strs: dict[int, str] = {}
 
     def encode_prompt(self, prompt: str) -> list[int]:
         # verbose=False: no "longer than the maximum sequence length" warning (the runtime
@@ -63,6 +64,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_str(self, token_id: int) -> str:
+        """One token's text, decoded alone (special tokens kept: an EOS shows as itself), as
+        logprobs report it."""
+        text = self._token_strs.get(token_id)
+        if text is None:
+            text = self._token_strs[token_id] = self.tok.decode([token_id])
+        return text
 
     def stop_check(self, req: Any, generated: list[int]) -> bool:
         """Whether the text of `generated` holds one of the request's stop strings

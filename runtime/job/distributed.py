@@ -75,7 +75,8 @@ class ShardRunner:
 
         generate(self.engine, reqs, lambda r: results.append({"key": r.key, "prompt_ids": r.prompt_ids,
                                                                "token_ids": r.token_ids,
-                                                               "finish_reason": r.finish_reason}),
+                                                               "finish_reason": r.finish_reason,
+                                                               "logprobs": r.logprobs}),
                  max_batch=self.max_batch, on_error=lambda r, m: errors.append([r.key, m]),
                  stop_check=self.tok.stop_check)
         return {"results": results, "errors": errors, "steps": self.engine.stats.steps}
@@ -150,7 +151,8 @@ def _workers(ray: Any, cuda: bool, options: RayOptions) -> int:
 def _write_shard(job: Any, out: dict[str, Any], shard: list[GenRequest], inflight: int) -> None:
     """A finished shard's results and errors, written through `job` (exec.Job)."""
     for res in out["results"]:
-        job.finished(GenResult(res["key"], res["prompt_ids"], res["token_ids"], res["finish_reason"]))
+        job.finished(GenResult(res["key"], res["prompt_ids"], res["token_ids"], res["finish_reason"],
+                               logprobs=res.get("logprobs")))
     by_key = {r.key: r for r in shard}
     for key, message in out["errors"]:
         job.failed(by_key[key], message)

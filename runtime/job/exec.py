@@ -32,7 +32,8 @@ from moecc_runtime.engine import Engine, generate
 from moecc_runtime.job.lock import JobFiles, check_distinct, open_job_files
 from moecc_runtime.job.progress import Progress
 from moecc_runtime.job.requests import Request, RequestError, iter_identified
-from moecc_runtime.job.results import Done, InputKeys, ResultWriter, error_key, plan_identity, resume_scan
+from moecc_runtime.job.results import (Done, InputKeys, ResultWriter, TokenLogprob, error_key, plan_identity,
+                                      resume_scan)
 from moecc_runtime.plan import PlanError, check_checkpoint, load_plan
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult
 from moecc_runtime.tokenizer import Tokenizer
@@ -317,8 +318,13 @@ class Job:
         self.summary.succeeded += 1
         self.summary.prompt_tokens += len(r.prompt_ids)
         self.summary.completion_tokens += len(r.token_ids)
+        lps = None
+        if r.logprobs is not None:
+            ts = self.tok.token_str
+            lps = [TokenLogprob(t, ts(t), lp, [(i, ts(i), v) for i, v in top])
+                   for t, (lp, top) in zip(r.token_ids, r.logprobs)]
         self.writer.result(r.key, api, text, r.token_ids, r.finish_reason, len(r.prompt_ids), model,
-                           request=self.requests[r.key])
+                           request=self.requests[r.key], logprobs=lps)
         if self.prog is not None:
             self.prog.request(True, len(r.token_ids))
 
@@ -417,4 +423,4 @@ def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab:
     max_new = min(req.max_tokens or default_max, context - len(ids))
     return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop,
                       req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.logit_bias,
-                      req.min_tokens)
+                      req.min_tokens, req.logprobs)

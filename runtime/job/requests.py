@@ -43,7 +43,9 @@ PENALTY_FIELDS: tuple[str, ...] = ("presence_penalty", "frequency_penalty", "rep
                                    "min_tokens")
 KNOWN_FIELDS: tuple[str, ...] = (
     "custom_id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-) + PENALTY_FIELDS
+) + PENALTY_FIELDS + ("logprobs", "top_logprobs")
+MAX_TOP_LOGPROBS = 20  # chat completions' (and simple lines') top_logprobs: 0..20, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's logprobs: 0..5
 #: OpenAI Batch API lines: these top-level fields, and a body with these parameters
 BATCH_FIELDS: tuple[str, ...] = ("custom_id", "method", "url", "body")
 BATCH_URLS: dict[str, str] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -57,9 +59,6 @@ _NEUTRAL: dict[str, tuple[Callable[[object], bool], str, str]] = {
     "stream_options": (lambda v: v is None, "null", "streaming is not supported by moecc"),
     "n": (lambda v: v is None or (type(v) is int and v == 1), "1",
           "n > 1 (several completions per request) is not supported yet"),
-    "logprobs": (lambda v: v is None or v is False, "false or null", "logprobs are not supported yet"),
-    "top_logprobs": (lambda v: v is None or (type(v) is int and v == 0), "0 or null",
-                     "top_logprobs are not supported yet"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}',
                         "structured output (response_format other than text) is not supported yet"),
     "echo": (lambda v: v is None or v is False, "false", "echo is not supported yet"),
@@ -76,12 +75,14 @@ _REFUSED: dict[str, str] = {
 _BODY_SAMPLING: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") + PENALTY_FIELDS
 BODY_FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("model", "messages", "max_completion_tokens", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS,
-             *(k for k in _NEUTRAL if k not in ("echo", "best_of", "suffix")), *_REFUSED),
-    "completions": ("model", "prompt", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS, *_NEUTRAL, *_REFUSED),
+             *(k for k in _NEUTRAL if k not in ("echo", "best_of", "suffix")), "logprobs", "top_logprobs",
+             *_REFUSED),
+    "completions": ("model", "prompt", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS, *_NEUTRAL, "logprobs", "top_logprobs",
+                    *_REFUSED),
 }
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
 _MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
-_NOT_YET_SUPPORTED = frozenset({"logprobs", "top_logprobs", "stream", "tools", "tool_choice", "functions",
+_NOT_YET_SUPPORTED = frozenset({"stream", "tools", "tool_choice", "functions",
                                 "response_format", "echo", "best_of", "suffix", "n"})
 _PENALTY_LIMIT = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 _BIAS_LIMIT = 100.0  # and for logit_bias values: [-100, 100]
@@ -110,6 +111,7 @@ class Request:
     repetition_penalty: float = 1.0  # vLLM/HF, over prompt + generated tokens; 1.0 means off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
     min_tokens: int = 0  # EOS (and stop strings) held off until this many tokens were generated
+    logprobs: int | None = None  # None: not asked; N >= 0: each token's logprob and its N most likely
 
 
 @dataclass(frozen=True)
@@ -345,6 +347,38 @@ def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _chat_logprobs(obj: dict, prefix: str = "") -> dict[str, Any]:
+    """`logprobs` (true / false / null) and `top_logprobs` (0..20 / null, only with logprobs
+    true) of a chat body or a simple line -> {"logprobs": N} when asked, else {}."""
+    want = obj.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise RequestFieldError(prefix + "logprobs", f"expected true or false, got {_describe(want)}")
+    top = obj.get("top_logprobs")
+    if top is not None:
+        top = _check_int(top, prefix + "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS + 1,
+                         expected=f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if top > 0 and not want:
+            raise RequestFieldError(prefix + "top_logprobs", f"needs {prefix}logprobs: true, got "
+                                    f"{_describe(top)} without it")
+    return {"logprobs": top or 0} if want else {}
+
+
+def _completion_logprobs(body: dict) -> dict[str, Any]:
+    """The legacy completions API's `logprobs`: null / false (off) or an integer 0..5 (each
+    token's logprob and that many most likely) -> {"logprobs": N} when asked, else {}."""
+    top = body.get("top_logprobs")
+    if top is not None and not (type(top) is int and top == 0):
+        raise RequestFieldError("body.top_logprobs", "is a chat completions field; /v1/completions asks for the "
+                                f"top tokens with logprobs: N (0..{MAX_COMPLETION_LOGPROBS}) (accepted: 0 or null), "
+                                f"got {_describe(top)}")
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return {}
+    n = _check_int(value, "body.logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS + 1,
+                   expected=f"an integer in [0, {MAX_COMPLETION_LOGPROBS}] (or null)")
+    return {"logprobs": n}
+
+
 def _unknown(obj: dict, known: tuple[str, ...], prefix: str = "") -> None:
     unknown = [key for key in obj if key not in known]
     if unknown:
@@ -397,6 +431,7 @@ def _parse_batch_line(obj: dict, line: int, custom_id: str) -> Request:
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RequestFieldError("body.max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
     knobs = _sampling(body, "body.")
+    knobs.update(_chat_logprobs(body, "body.") if api == "chat" else _completion_logprobs(body))
     return Request(line=line, custom_id=custom_id, prompt=prompt, messages=messages, api=api, model=model, **knobs)
 
 
@@ -435,6 +470,7 @@ def parse_request(obj: object, *, path: str, line: int) -> Request:
         prompt = _check_prompt(obj["prompt"]) if has_prompt else None
         messages = _check_messages(obj["messages"]) if has_messages else None
         knobs = _sampling(obj)
+        knobs.update(_chat_logprobs(obj))
     except RequestFieldError as exc:
         exc.custom_id = custom_id
         raise

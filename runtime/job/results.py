@@ -294,6 +294,44 @@ def repair_torn_tail(path: Path) -> bool:
         return True
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob, as the writers report it: its id, its text (decoded
+    alone), its logprob, and the top N as (id, text, logprob), best first."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]]
+
+
+def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's `logprobs`, shaped as OpenAI's ChoiceLogprobs."""
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for _, t, v in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def _completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """A completions choice's `logprobs` (the legacy API's shape); text_offset counts
+    characters into the completion's text, from 0. Two top tokens with the same text keep
+    the more likely one (the legacy shape keys them by text)."""
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+    tops = []
+    for e in entries:
+        top: dict[str, float] = {}
+        for _, t, v in e.top:
+            top.setdefault(t, v)
+        tops.append(top)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
 class ResultWriter:
     """Appends result and error lines in one of FORMATS, each with the job's identity; see
     the module docstring. The files are the caller's (lock.JobFiles opens and closes them)."""
@@ -313,13 +351,22 @@ class ResultWriter:
 
     # -- lines ------------------------------------------------------------------------------
     def result(self, custom_id: str, api: str, text: str, token_ids: list[int], finish_reason: str,
-               prompt_tokens: int, model: str | None = None, *, request: str) -> None:
-        """A finished request's line; `request`: its request hash."""
+               prompt_tokens: int, model: str | None = None, *, request: str,
+               logprobs: list[TokenLogprob] | None = None) -> None:
+        """A finished request's line; `request`: its request hash; `logprobs`: one entry per
+        generated token when the request asked for them (None: the line has no logprobs)."""
         if self.fmt == "moecc":
             line = {"custom_id": custom_id, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids)}}
+            if logprobs is not None:
+                line["logprobs"] = [{"token_id": e.token_id, "logprob": e.logprob,
+                                     "top": [[i, v] for i, _, v in e.top]} for e in logprobs]
         else:
             line = self._openai_result(custom_id, api, text, finish_reason, prompt_tokens, len(token_ids), model)
+            if logprobs is not None:
+                choice = line["response"]["body"]["choices"][0]
+                choice["logprobs"] = (_completion_logprobs(logprobs) if api == "completions"
+                                      else _chat_logprobs(logprobs))
         line[IDENTITY_KEY] = {"plan": self.plan, "request": request}
         self._write(self.out, line)
 

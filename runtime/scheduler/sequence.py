@@ -23,6 +23,11 @@ class GenRequest:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # no EOS and no stop string before this many generated tokens
+    logprobs: int | None = None  # None: not asked; N >= 0: each token's logprob and its N most likely
+
+
+#: one generated token's logprob entry: (its logprob, [(token id, logprob), ...] the top N, best first)
+LogprobEntry = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -32,6 +37,7 @@ class GenResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or context)
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, when recorded
+    logprobs: list[LogprobEntry] | None = None  # per generated token, when the request asked
 
 
 @dataclass(eq=False)
@@ -48,6 +54,7 @@ class Sequence:
     request: GenRequest | None = None
     generator: torch.Generator | None = None  # its sampler's random state
     logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, when recorded
+    logprobs: list[LogprobEntry] = field(default_factory=list)  # per generated token, when its request asked
 
     @property
     def generated(self) -> list[int]:
