@@ -133,8 +133,7 @@ def test_openai_outputs_validate_with_the_openai_types(tiny, tmp_path):
     rows = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(out)}
     for cid in ("chat-lp", "chat-lp0", "chat-plain"):
         body = rows[cid]
-        if ChatCompletion is not None:
-            ChatCompletion.model_validate(body)
+        parsed = ChatCompletion.model_validate(body).choices[0].logprobs if ChatCompletion is not None else None
         lps = body["choices"][0]["logprobs"]
         if cid == "chat-plain":
             assert lps is None
@@ -149,7 +148,6 @@ def test_openai_outputs_validate_with_the_openai_types(tiny, tmp_path):
             if values:
                 assert e["logprob"] == values[0] and e["top_logprobs"][0]["token"] == e["token"]
         if ChatCompletion is not None:
-            parsed = ChatCompletion.model_validate(body).choices[0].logprobs
             assert parsed is not None and len(parsed.content) == len(lps["content"])
     for cid in ("cmpl-lp", "cmpl-plain"):
         body = rows[cid]

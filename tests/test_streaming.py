@@ -13,6 +13,7 @@ import torch
 
 from moecc.compiler import compile_model
 from moecc_runtime.job.exec import run_job
+from moecc_runtime import plan_schema
 from moecc_runtime.memory import streaming
 from moecc_runtime.memory.arena import ArenaError, DeviceArena
 from moecc_runtime.memory.copy_engine import CopyEngine, CopyError
@@ -75,7 +76,7 @@ def test_streamed_plan_matches_transformers(mixtral, reference, eos, gpu_mem, mo
 def test_only_chosen_experts_are_fetched(mixtral, eos, monkeypatch):  # noqa: F811
     """Per layer and step, the experts fetched are a subset of those routed to (spied on the
     kernel's fetch list), and never more than once (fetching ahead of routing turned off)."""
-    monkeypatch.setattr(streaming, "SPECULATE_ROUTED_PER_EXPERT", 10**9)
+    monkeypatch.setattr(plan_schema, "SPECULATE_ROUTED_PER_EXPERT", 10**9)
     path, _, prompts = mixtral
     plan = compile_streamed(path, BUDGETS[0])
     assert not any(g.endswith(".experts") for g in plan["arena"]["resident"])

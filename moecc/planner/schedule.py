@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import networkx as nx
-from moecc_runtime.plan_schema import expert_group, residency_group
+from moecc_runtime.plan_schema import SPECULATE_ROUTED_PER_EXPERT, expert_group, residency_group, speculates
 
 from moecc.planner.costs import LayerCost, ModelCost
 
@@ -183,24 +183,6 @@ def mlp_shape(lc: LayerCost, rates: Rates) -> tuple[int, int] | None:
     if not lc.expert_inter:
         return None
     return (lc.expert_flops // (6 * lc.expert_inter), lc.expert_inter)
-
-
-#: The runtime speculates (fetches a layer's first experts before its router has run) when
-#: rows x top_k reaches this many times the experts (moecc_runtime.memory.streaming's own
-#: SPECULATE_ROUTED_PER_EXPERT).
-SPECULATE_ROUTED_PER_EXPERT = 4
-
-
-def speculates(rows: float, top_k: int, num_experts: int) -> bool:
-    """Whether the runtime fetches a layer's first `expert_slots` experts (in expert index
-    order, the order it runs them) before its router has run, in a step of `rows` rows:
-    when rows x top_k >= 4 x num_experts every expert is almost surely chosen (P(an expert
-    unused) = (1 - top_k / num_experts) ** rows, at most e^-4, about 2%).
-    The rule is the runtime's: this mirrors moecc_runtime.memory.streaming.speculates (the
-    planner imports no runtime code but the plan schema); keep the two the same
-    (tests/planner/test_speculative_prefetch.py checks). The schedule and the solver apply it
-    through speculated_experts."""
-    return rows * top_k >= SPECULATE_ROUTED_PER_EXPERT * num_experts
 
 
 def p_expert_unused(rows: float, top_k: int, num_experts: int) -> float:

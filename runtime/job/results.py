@@ -35,10 +35,7 @@ from moecc_runtime.job.lock import JobIdentityError
 
 FORMATS = ("moecc", "openai")
 IDENTITY_KEY = "moecc"
-#: Plan fields that record the compile run, not what the job computes: the planner's
-#: predictions and predicted step timeline, and the prose on why host memory is sized as it
-#: is (it quotes the memory free at compile time).
-#: plan fields that do not change what a job computes: predictions, the memory accounting, and
+#: Plan fields that do not change what a job computes: predictions, the memory accounting, and
 #: the KV pool's size (sized by the memory free at compile when --host-mem is unset)
 RUN_ONLY_FIELDS: tuple[tuple[str, ...], ...] = (("predicted",), ("timeline",), ("memory",),
                                                  ("batch", "kv", "num_blocks"))

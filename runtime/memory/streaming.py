@@ -36,7 +36,7 @@ from moecc_runtime.memory import pinned
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.weights import WeightError, WeightStore
 from moecc_runtime import formats
-from moecc_runtime.plan_schema import expert_group
+from moecc_runtime.plan_schema import expert_group, speculates  # speculates: re-exported, the rule StreamedWeights.speculate serves
 from moecc_runtime.worker import kernels
 
 ExpertWeights = tuple[torch.Tensor, ...]  # in kernels.expert_parts order: gate, up, down (or gpt-oss's four)
@@ -55,19 +55,6 @@ def _placed(t: torch.Tensor) -> int:
     """Arena bytes tensor `t` takes in a slot: its bytes at ALIGN (the planner's
     moecc/planner/costs.slot_bytes counts the same)."""
     return align(t.numel() * t.element_size())
-
-
-#: Experts are fetched before the router has chosen them when rows x top_k reaches this many
-#: times the experts (the planner's schedule mirrors the rule: moecc/planner).
-SPECULATE_ROUTED_PER_EXPERT = 4
-
-
-def speculates(rows: int, top_k: int, num_experts: int) -> bool:
-    """True when a step of `rows` rows, each routed to top_k of num_experts experts, almost
-    surely uses every expert: rows * top_k >= 4 * num_experts, so under even routing an
-    expert is unused with probability (1 - k/E)^rows <= e^-4 (about 2%); a speculated
-    expert that no row chose costs only its wasted copy."""
-    return rows * top_k >= SPECULATE_ROUTED_PER_EXPERT * num_experts
 
 
 class InPlaceWeights:

@@ -27,6 +27,7 @@ import torch
 
 from moecc_runtime import native
 from moecc_runtime.memory.kv import KVPool
+from moecc_runtime.memory.streaming import KVStaging
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.attention import attend_decode, blocks_needed, kv_view, project_qkv
 from moecc_runtime.worker.batch import MicroBatch
@@ -41,7 +42,7 @@ class HostView:
     table_off: torch.Tensor  # [t] where row r's table starts in `tables`
     ctx: torch.Tensor  # [t] positions 0..ctx-1 exist
     lo: torch.Tensor  # [t] first position attended (sliding window)
-    prefill: list[tuple[int, int, int, list[int]]]  # (lo row, hi row, start position, blocks) per prompt chunk
+    prefill: list[tuple[int, int, int, torch.Tensor]]  # (lo row, hi row, start position, [nb] blocks) per prompt chunk
 
 
 def host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
@@ -62,7 +63,7 @@ def _build_host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
     for idx, (_, row, start, n) in enumerate(mb.items):
         c = start + n
         if n > 1:
-            prefill.append((row, row + n, start, mb.tables[idx][:blocks_needed(c, bs)]))
+            prefill.append((row, row + n, start, torch.tensor(mb.tables[idx][:blocks_needed(c, bs)], dtype=torch.long)))
             continue
         rows.append(row)
         off[row], ctx[row] = len(tables), c
@@ -81,7 +82,7 @@ class HostAttention:
         self.pool = pool
         self.pin = pin
         self.native = native.supports(pool.k.dtype)
-        self._buf: list[torch.Tensor] = []  # the fallback's growing host gather buffers (K, V)
+        self._gather = KVStaging(pool, torch.device("cpu"))  # the fallback's gather (one growing host buffer)
         self._sinks: dict[str, torch.Tensor] = {}  # device attention sinks' host copies, by op (weights)
 
     def __call__(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch,
@@ -126,19 +127,17 @@ class HostAttention:
         kp, vp = self._pools(layer, a)
         out = torch.empty((q.shape[0], q.shape[1], vp.shape[-1]), dtype=torch.float32,
                           pin_memory=self.pin)  # [t, Hq, Dv]
-        sinks_h = sinks.to("cpu") if sinks is not None else None
         if view.rows.numel():
             if self.native:
                 native.paged_attention(q.float().contiguous(), kp, vp, view.rows, view.tables, view.table_off,
-                                       view.ctx, view.lo, a["scaling"], out, sinks_h)
+                                       view.ctx, view.lo, a["scaling"], out, sinks)
             else:
-                self._decode_gathered(q, layer, mb, a, sinks_h, out)
-        for lo, hi, start, blocks in view.prefill:
-            idx = torch.tensor(blocks, dtype=torch.long)
+                self._decode_gathered(q, layer, mb, a, sinks, out)
+        for lo, hi, start, idx in view.prefill:
             c = start + (hi - lo)
             ks = kp.index_select(1, idx).flatten(1, 2)[:, :c]  # [Hkv, c, D]: this sequence's context
             vs = vp.index_select(1, idx).flatten(1, 2)[:, :c]
-            o = kernels.attend(q[lo:hi], ks, vs, start, a, sinks_h)  # [n, Hq*Dv]
+            o = kernels.attend(q[lo:hi], ks, vs, start, a, sinks)  # [n, Hq*Dv]
             out[lo:hi] = o.view(hi - lo, q.shape[1], -1)
         return out
 
@@ -146,18 +145,7 @@ class HostAttention:
                          sinks: torch.Tensor | None, out: torch.Tensor) -> None:
         """The fallback: gather the decoding rows' blocks on the host, then grouped SDPA."""
         kview = kv_view(mb, a.get("sliding_window"), self.pool.block_size)
-        nb = kview.blocks.numel()
-        hk, hv = self._gather_buffers(layer, nb)
-        self.pool.gather(layer, kview.blocks, hk, hv)
+        hk, hv = self._gather.acquire(None, layer, kview.blocks)  # [Hkv, nb, bs, D], [Hkv, nb, bs, Dv]
         kbuf, vbuf = (hk, hk[..., :a["kv_lora_rank"]]) if not hv.shape[-1] else (hk, hv)
         flat = out.view(out.shape[0], -1)
         attend_decode(flat, q, kbuf, vbuf, kview, a, sinks)
-
-    def _gather_buffers(self, layer: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.pool.k, self.pool.v
-        shape_k = (k.shape[1], nb, k.shape[3], k.shape[4])
-        shape_v = (v.shape[1], nb, v.shape[3], v.shape[4])
-        nk, nv = shape_k[0] * nb * shape_k[2] * shape_k[3], shape_v[0] * nb * shape_v[2] * shape_v[3]
-        if not self._buf or self._buf[0].numel() < nk or self._buf[1].numel() < nv:
-            self._buf = [torch.empty(int(nk * 1.25) + 1, dtype=k.dtype), torch.empty(int(nv * 1.25) + 1, dtype=k.dtype)]
-        return self._buf[0][:nk].view(shape_k), self._buf[1][:nv].view(shape_v)

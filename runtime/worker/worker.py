@@ -39,11 +39,11 @@ from moecc_runtime.memory.arena import ArenaError, DeviceArena, Region, align
 from moecc_runtime.memory import pinned
 from moecc_runtime.memory.copy_engine import CopyEngine, DeviceToHost
 from moecc_runtime.memory.kv import KVGeometry, KVPool
-from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights, speculates
+from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
 from moecc_runtime.plan import PlanError, has_sidecar, sidecar_path
 from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
-from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS
+from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS, speculates
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.attention import GatheredAttention
 from moecc_runtime.worker.batch import MicroBatch, StepBatch
