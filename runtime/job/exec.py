@@ -423,4 +423,4 @@ def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab:
     max_new = min(req.max_tokens or default_max, context - len(ids))
     return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop,
                       req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.logit_bias,
-                      req.min_tokens, req.logprobs)
+                      req.min_tokens, req.logprobs, req.n, req.response_format)

@@ -112,6 +112,9 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
     min_tokens: int = 0  # EOS (and stop strings) held off until this many tokens were generated
     logprobs: int | None = None  # None: not asked; N >= 0: each token's logprob and its N most likely
+    n: int = 1  # completions (choices) asked for this prompt
+    #: structured output: ("json_object", "") or ("json_schema", the schema as canonical JSON); None: free text
+    response_format: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from moecc_runtime.sampling import request_generator
 from moecc_runtime.scheduler.blocks import BlockAllocator, KVCacheFull
@@ -41,6 +41,32 @@ class Rejected:
     message: str
 
 
+class RequestQueue:
+    """The requests not yet admitted, read lazily from an iterable with one of lookahead:
+    a job of a million lines holds only what is in flight, not the file."""
+
+    def __init__(self, requests: Iterable[GenRequest]):
+        self._it: Iterator[GenRequest] = iter(requests)
+        self._head: list[GenRequest] = []
+
+    def __bool__(self) -> bool:
+        if not self._head:
+            nxt = next(self._it, None)
+            if nxt is not None:
+                self._head.append(nxt)
+        return bool(self._head)
+
+    def peek(self) -> GenRequest:
+        if not self:
+            raise IndexError("no request left")
+        return self._head[0]
+
+    def popleft(self) -> GenRequest:
+        req = self.peek()
+        self._head.clear()
+        return req
+
+
 class Scheduler:
     """Admission, KV block ownership and preemption for one run over `requests`."""
 
@@ -48,7 +74,7 @@ class Scheduler:
         self.blocks = blocks
         self.limit = max_batch
         self.budget_per_step = prefill_tokens
-        self.queue: deque[GenRequest] = deque(requests)
+        self.queue = RequestQueue(requests)
         self.preempted: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.rejected: list[Rejected] = []  # since the caller last emptied it
@@ -102,7 +128,7 @@ class Scheduler:
         """Fill free slots while the prefill budget lasts and the pool has room to spare."""
         budget = self.budget_per_step - sum(min(s.pending, self.budget_per_step) for s in self.running if s.pending > 1)
         while (self.preempted or (self.queue and admit_new)) and len(self.running) < self.limit and budget > 0:
-            tokens = len(self.preempted[0].tokens) if self.preempted else len(self.queue[0].prompt_ids)
+            tokens = len(self.preempted[0].tokens) if self.preempted else len(self.queue.peek().prompt_ids)
             growth = len(self.running) // self.blocks.block_size + 1  # blocks the running ones may take next step
             if self.running and self.blocks.blocks_for(tokens + 1) + growth > self.blocks.free_blocks:
                 break

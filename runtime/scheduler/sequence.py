@@ -24,6 +24,9 @@ class GenRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # no EOS and no stop string before this many generated tokens
     logprobs: int | None = None  # None: not asked; N >= 0: each token's logprob and its N most likely
+    n: int = 1  # completions (choices) of this prompt: they share its KV blocks
+    #: structured output: ("json_object", "") or ("json_schema", the schema as canonical JSON); None: free text
+    response_format: tuple[str, str] | None = None
 
 
 #: one generated token's logprob entry: (its logprob, [(token id, logprob), ...] the top N, best first)
