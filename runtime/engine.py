@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from moecc_runtime.memory.kv import KVGeometry
-from moecc_runtime.sampling import SamplingError, choose
+from moecc_runtime.sampling import SamplingError, choose, request_generator
 from moecc_runtime.scheduler.blocks import BlockAllocator
 from moecc_runtime.scheduler.scheduler import DEFAULT_PREFILL_TOKENS, Scheduler
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult, LogprobEntry, Sequence
@@ -76,11 +76,14 @@ def generate(
     stop_check: Callable[[GenRequest, list[int]], bool] | None = None,
     control: Callable[[], str] | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    grammar: Callable[[GenRequest], Any] | None = None,
 ) -> str:
-    """Run every request to completion; `on_finish` is called as each one finishes.
+    """Run every request to completion; `on_finish` is called as each one finishes (a
+    request with n > 1 once, when all its completions have, with them in `choices`).
     A request that cannot fit the KV pool even alone, or whose logits cannot be sampled, goes
     to `on_error` (raised without it); the others go on.
     `stop_check(req, generated ids)` says whether a request with stop strings hit one;
+    `grammar(req)`: a fresh structured.Matcher for a request with a response_format;
     `on_step(tokens generated, sequences in flight)` is called after every step.
     Returns "done", or "drained" / "stopped" when `control` ended the run early."""
     eos = set(engine.info["eos_token_ids"])
@@ -88,46 +91,122 @@ def generate(
     budget = int(max_prefill_tokens or engine.plan["batch"]["prefill"].get("tokens_per_step")
                  or DEFAULT_PREFILL_TOKENS)
     sched = Scheduler(engine.blocks, requests, limit, budget)
+    out = _Choices(on_finish, on_error)
     while sched.has_work:
         mode = control() if control is not None else "run"
         if mode == "stop" or (mode == "drain" and not sched.in_flight):
             return "stopped" if mode == "stop" else "drained"
         plan = sched.schedule(admit_new=mode == "run")
         for r in sched.rejected:
-            if on_error is None:
-                raise r.error
-            on_error(r.request, r.message)
+            out.fail(r.request, r.message, r.error)
         sched.rejected.clear()
         if plan is None:
             continue
         logits = engine.worker.execute(plan).logits  # [S', V]
-        finishing = sched.advance(plan)
-        asked = [i for i, s in enumerate(finishing) if _request(s).logprobs is not None]
-        lps = _log_softmax(logits, asked)  # before choose: of the raw logits, whatever the sampler does
-        chosen = choose(logits, [_request(s) for s in finishing], [s.generator for s in finishing],
-                        [s.tokens for s in finishing], [s.prompt_len for s in finishing], eos)
-        entries = _entries(lps, asked, chosen, [_request(finishing[i]).logprobs or 0 for i in asked])
+        finishing, logits = _fork(sched, sched.advance(plan), logits)
+        chosen, entries = _sample(finishing, logits, eos, grammar)
         for i, (s, row, tok) in enumerate(zip(finishing, logits, chosen)):
             if isinstance(tok, SamplingError):  # this request fails alone
                 sched.retire(s)
-                if on_error is None:
-                    raise tok
-                on_error(_request(s), f"request {_request(s).key!r}: {tok}")
+                out.fail(_request(s), f"request {_request(s).key!r}: {tok}", tok)
                 continue
             if record_logits:
                 s.logits.append(row.clone())
             if i in entries:
                 s.logprobs.append(entries[i])
             s.tokens.append(tok)
+            if s.constraint is not None:
+                s.constraint.accept(tok)
             reason = _finish_reason(s, tok, eos, stop_check)
             if reason is not None:
                 sched.retire(s)
                 req = _request(s)
-                on_finish(GenResult(req.key, req.prompt_ids, s.generated, reason, s.logits,
-                                    s.logprobs if req.logprobs is not None else None))
+                out.finish(s, GenResult(req.key, req.prompt_ids, s.generated, reason, s.logits,
+                                        s.logprobs if req.logprobs is not None else None))
         if on_step is not None:
             on_step(len(finishing), len(sched.running))
     return "drained" if sched.queue else "done"
+
+
+def _fork(sched: Scheduler, finishing: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    """A request with n > 1 whose prompt is cached now gets its other completions: they join
+    the step right after it, choosing from its logits row. Returns the rows and logits [S', V]."""
+    rows, seqs = [], []
+    for i, s in enumerate(finishing):
+        rows.append(i)
+        seqs.append(s)
+        req = _request(s)
+        if req.n > 1 and s.choice == 0 and not s.forked and not s.generated:
+            kids = sched.fork(s, [request_generator(req.seed, req.key, j) for j in range(1, req.n)])
+            rows.extend([i] * len(kids))
+            seqs.extend(kids)
+    return (seqs, logits) if len(seqs) == len(finishing) else (seqs, logits[rows])
+
+
+def _sample(finishing: list[Sequence], logits: torch.Tensor, eos: set[int],
+            grammar: Callable[[GenRequest], Any] | None) -> tuple[list[Any], dict[int, LogprobEntry]]:
+    """The step's next tokens (or SamplingErrors) and the logprob entries of the rows that
+    asked, computed from the raw logits before the sampler reshapes them."""
+    reqs = [_request(s) for s in finishing]
+    asked = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+    lps = _log_softmax(logits, asked)
+    masks = _grammar_masks(finishing, grammar, logits.shape[-1])
+    chosen = choose(logits, reqs, [s.generator for s in finishing], [s.tokens for s in finishing],
+                    [s.prompt_len for s in finishing], eos, masks)
+    return chosen, _entries(lps, asked, chosen, [reqs[i].logprobs or 0 for i in asked])
+
+
+def _grammar_masks(finishing: list[Sequence], grammar: Callable[[GenRequest], Any] | None,
+                   vocab: int) -> dict[int, torch.Tensor]:
+    """Row -> allowed tokens bool [V] for the rows with a response_format, all computed at once."""
+    rows = [i for i, s in enumerate(finishing) if _request(s).response_format is not None]
+    if not rows:
+        return {}
+    if grammar is None:
+        raise ValueError("requests with a response_format need generate(..., grammar=...)")
+    from moecc_runtime.structured import fill_masks
+
+    for i in rows:
+        if finishing[i].constraint is None:
+            finishing[i].constraint = grammar(_request(finishing[i]))
+    masks = fill_masks([finishing[i].constraint for i in rows], vocab)  # [R, V]
+    return {i: masks[j] for j, i in enumerate(rows)}
+
+
+class _Choices:
+    """Results and failures as the caller sees them: one per request, a request with n > 1
+    reported when all its completions finished, or once, at its first failure (its other
+    completions' ends are then dropped)."""
+
+    def __init__(self, on_finish: Callable[[GenResult], None], on_error: Callable[[GenRequest, str], None] | None):
+        self.on_finish, self.on_error = on_finish, on_error
+        self.parts: dict[str, dict[int, GenResult]] = {}  # key -> choice -> result, for n > 1
+        self.failed: set[str] = set()  # keys of failed requests with n > 1
+
+    def finish(self, s: Sequence, r: GenResult) -> None:
+        n = _request(s).n
+        if n == 1:
+            self.on_finish(r)
+            return
+        if r.key in self.failed:
+            return
+        got = self.parts.setdefault(r.key, {})
+        got[s.choice] = r
+        if len(got) == n:
+            del self.parts[r.key]
+            first = got[0]
+            self.on_finish(GenResult(first.key, first.prompt_ids, first.token_ids, first.finish_reason,
+                                     first.logits, first.logprobs, [got[j] for j in range(n)]))
+
+    def fail(self, req: GenRequest, message: str, error: Exception) -> None:
+        if req.key in self.failed:
+            return
+        if req.n > 1:
+            self.failed.add(req.key)
+            self.parts.pop(req.key, None)
+        if self.on_error is None:
+            raise error
+        self.on_error(req, message)
 
 
 def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:

@@ -66,14 +66,19 @@ class SamplingError(ValueError):
 
 def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None], tokens: Sequence[Sequence[int]] | None = None,
-           prompt_lens: Sequence[int] | None = None, eos: Collection[int] = ()) -> list[int | SamplingError]:
+           prompt_lens: Sequence[int] | None = None, eos: Collection[int] = (),
+           masks: dict[int, torch.Tensor] | None = None) -> list[int | SamplingError]:
     """logits [S, V] -> one token per row: greedy rows in one argmax, the rest sampled per
     row with its request's parameters and generator. A row whose logits are not all finite
     gets a SamplingError in its place instead of a token. A row whose request sets penalties,
     a logit_bias or min_tokens is first reshaped by `adjust_logits` from its `tokens` (prompt +
-    generated so far), `prompt_lens` and the model's `eos` ids; the others are untouched."""
+    generated so far), `prompt_lens` and the model's `eos` ids; a row in `masks` (row -> bool
+    [V], its grammar's allowed tokens) then has every other token at -inf. The others are
+    untouched. Where the reshaping leaves no allowed token finite (min_tokens against a
+    finished grammar's EOS), the grammar wins over the reshaping."""
+    masks = masks or {}
     finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S]
-    shaped = {i for i, p in enumerate(params) if finite[i] and not is_neutral(p)}
+    shaped = {i for i, p in enumerate(params) if finite[i] and (not is_neutral(p) or i in masks)}
     if shaped and (tokens is None or prompt_lens is None):
         raise ValueError("requests with penalties, logit_bias or min_tokens need their tokens and prompt lengths")
     greedy = [i for i, p in enumerate(params) if p.temperature <= 0.0 and finite[i] and i not in shaped]
@@ -86,15 +91,29 @@ def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
         if i in shaped:
             assert tokens is not None and prompt_lens is not None
             row = adjust_logits(logits[i], p, tokens[i], prompt_lens[i], eos)
+            if i in masks:
+                allowed = masks[i].to(row.device)  # [V]
+                masked = row.masked_fill(~allowed, float("-inf"))
+                if not bool(torch.isfinite(masked).any()):  # e.g. min_tokens holds off the EOS the grammar needs
+                    masked = logits[i].float().masked_fill(~allowed, float("-inf"))  # the grammar wins
+                if not bool(torch.isfinite(masked).any()):
+                    out[i] = SamplingError("the response_format grammar allows no token here")
+                    continue
+                row = masked
             out[i] = next_token(row, p.temperature, p.top_p, p.top_k, generators[i])
         elif p.temperature > 0.0 and finite[i]:
             out[i] = next_token(logits[i], p.temperature, p.top_p, p.top_k, generators[i])
     return out
 
 
-def request_generator(seed: int | None, custom_id: str) -> torch.Generator:
+def request_generator(seed: int | None, custom_id: str, choice: int = 0) -> torch.Generator:
+    """The random state of completion `choice` of a request: from its seed (choice j > 0:
+    seed + j), else from its custom_id (and j); reproducible whatever else runs."""
     g = torch.Generator(device="cpu")
-    g.manual_seed(seed if seed is not None else zlib.crc32(custom_id.encode()) | (1 << 32))
+    if seed is not None:
+        g.manual_seed((seed + choice) % 2**64)
+    else:
+        g.manual_seed(zlib.crc32((custom_id if choice == 0 else f"{custom_id}#{choice}").encode()) | (1 << 32))
     return g
 
 

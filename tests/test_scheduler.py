@@ -55,8 +55,9 @@ def test_plans_address_only_reserved_slots_and_blocks_come_back():
 
 def test_a_full_pool_preempts_the_newest_and_recomputes_it():
     """Two sequences that fit when admitted outgrow an 8-block pool: the most recently
-    admitted is preempted before the step is emitted and later recomputed from position 0."""
-    blocks = BlockAllocator(8, 2)
+    admitted is preempted before the step is emitted and later recomputed from position 0
+    (prefix sharing off: with it, its computed blocks would be found again)."""
+    blocks = BlockAllocator(8, 2, share_prefixes=False)
     reqs = [GenRequest("a", [1] * 5, 8), GenRequest("b", [2] * 5, 8)]
     sched = Scheduler(blocks, reqs, max_batch=2, prefill_tokens=64)
     preempted = []

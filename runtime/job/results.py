@@ -302,6 +302,25 @@ class TokenLogprob:
     top: list[tuple[int, str, float]]
 
 
+@dataclass(frozen=True)
+class Completion:
+    """One completion (choice) of a finished request, as the writers report it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None  # one entry per token, when the request asked
+
+
+def _moecc_choice(c: Completion) -> dict[str, Any]:
+    """A completion's fields in the moecc format."""
+    out: dict[str, Any] = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+    if c.logprobs is not None:
+        out["logprobs"] = [{"token_id": e.token_id, "logprob": e.logprob, "top": [[i, v] for i, _, v in e.top]}
+                           for e in c.logprobs]
+    return out
+
+
 def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     """A chat choice's `logprobs`, shaped as OpenAI's ChoiceLogprobs."""
     def one(token: str, logprob: float) -> dict[str, Any]:
@@ -347,23 +366,20 @@ class ResultWriter:
         self.created = int(time.time())
 
     # -- lines ------------------------------------------------------------------------------
-    def result(self, custom_id: str, api: str, text: str, token_ids: list[int], finish_reason: str,
-               prompt_tokens: int, model: str | None = None, *, request: str,
-               logprobs: list[TokenLogprob] | None = None) -> None:
-        """A finished request's line; `request`: its request hash; `logprobs`: one entry per
-        generated token when the request asked for them (None: the line has no logprobs)."""
+    def result(self, custom_id: str, api: str, completions: list[Completion], prompt_tokens: int,
+               model: str | None = None, *, request: str) -> None:
+        """A finished request's line, with its `completions` in order (n of them: the OpenAI
+        shapes list them as choices; the moecc line has the first at the top and, for n > 1,
+        all under "choices"); `request`: its request hash. usage counts the prompt once and
+        every completion's tokens, as the API reports it."""
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(len(c.token_ids) for c in completions)}
         if self.fmt == "moecc":
-            line = {"custom_id": custom_id, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids)}}
-            if logprobs is not None:
-                line["logprobs"] = [{"token_id": e.token_id, "logprob": e.logprob,
-                                     "top": [[i, v] for i, _, v in e.top]} for e in logprobs]
+            first = completions[0]
+            line = {"custom_id": custom_id, **_moecc_choice(first), "usage": usage}
+            if len(completions) > 1:
+                line["choices"] = [_moecc_choice(c) for c in completions]
         else:
-            line = self._openai_result(custom_id, api, text, finish_reason, prompt_tokens, len(token_ids), model)
-            if logprobs is not None:
-                choice = line["response"]["body"]["choices"][0]
-                choice["logprobs"] = (_completion_logprobs(logprobs) if api == "completions"
-                                      else _chat_logprobs(logprobs))
+            line = self._openai_result(custom_id, api, completions, usage, model)
         line[IDENTITY_KEY] = {"plan": self.plan, "request": request}
         self._write(self.out, line)
 
@@ -375,22 +391,22 @@ class ResultWriter:
         line[IDENTITY_KEY] = {"plan": self.plan, "request": request}
         self._write(self.err, line)
 
-    def _openai_result(self, custom_id: str, api: str, text: str, finish_reason: str, prompt_tokens: int,
-                       completion_tokens: int, model: str | None) -> dict[str, Any]:
+    def _openai_result(self, custom_id: str, api: str, completions: list[Completion], usage: dict[str, int],
+                       model: str | None) -> dict[str, Any]:
         rid = _digest("request", custom_id)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
+        usage = {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
         if api == "completions":
+            choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                        "logprobs": None if c.logprobs is None else _completion_logprobs(c.logprobs)}
+                       for i, c in enumerate(completions)]
             body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": self.created,
-                    "model": model or self.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-                    "usage": usage}
+                    "model": model or self.model, "choices": choices, "usage": usage}
         else:  # chat, and simple-form lines written in this format
+            choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs),
+                        "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
             body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": self.created,
-                    "model": model or self.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": finish_reason}],
-                    "usage": usage}
+                    "model": model or self.model, "choices": choices, "usage": usage}
         return {"id": f"batch_req_{rid}", "custom_id": custom_id,
                 "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 

@@ -106,6 +106,16 @@ class KVPool:
             self.k.index_fill_(2, idx, 0)  # [L, Hkv, NB, bs, D]: the blocks, every layer
             self.v.index_fill_(2, idx, 0)
 
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block in every layer (copy on write: a sequence's own
+        copy of a block it shared); sources and destinations are distinct blocks."""
+        self.flush()  # the sources' late stores land first
+        if copies:
+            src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.k.device)
+            dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.k.device)
+            self.k.index_copy_(2, dst, self.k.index_select(2, src))  # [L, Hkv, NB, bs, D]
+            self.v.index_copy_(2, dst, self.v.index_select(2, src))
+
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """Store K/V of n positions. blocks/offsets: [n] (on the pool's device); k/v: [n, Hkv, D]."""

@@ -3,17 +3,21 @@
 Each `schedule()`:
   1. admit: while fewer than B sequences are in flight, take the next request (preempted
      sequences first) if the KV pool can hold its prompt plus the running sequences'
-     expected growth, and the step's prefill budget is not spent;
+     expected growth, and the step's prefill budget is not spent; the leading blocks of its
+     tokens that an earlier request computed are shared, not computed again (blocks.match);
   2. plan the step's work: one token for every decoding sequence, and prompt chunks of at
      most the remaining prefill budget for sequences still prefilling (long prompts are
      prefilled over several steps, interleaved with the decode of the others);
-  3. reserve the work's KV blocks, in work order; when the pool cannot hold the next one,
-     preempt the most recently admitted sequence (free its blocks, recompute it later) and
-     plan again. A sequence that does not fit even alone is rejected (`rejected`);
+  3. reserve the work's KV blocks, in work order, with a copy of each shared block a chunk
+     writes into (copy on write); when the pool cannot hold the next one, preempt the most
+     recently admitted sequence (free its blocks, recompute it later) and plan again. A
+     sequence that does not fit even alone is rejected (`rejected`);
   4. emit the step plan (scheduler/step_plan.py): the worker never reserves anything.
-After the worker ran a plan, `advance` marks its chunks cached and `retire` frees the
-blocks of a sequence that finished. Freed slots are refilled from the queue at the next
-step, so the batch stays full until the queue drains.
+After the worker ran a plan, `advance` marks its chunks cached and registers their full
+blocks for sharing, `fork` gives a request with n > 1 its other completions once its prompt
+is cached (they share its blocks), and `retire` frees the blocks of a sequence that
+finished. A request with n completions holds n batch slots from its admission. Freed slots
+are refilled from the queue at the next step, so the batch stays full until the queue drains.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Iterator
+
+import torch
 
 from moecc_runtime.sampling import request_generator
 from moecc_runtime.scheduler.blocks import BlockAllocator, KVCacheFull
@@ -79,6 +85,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.rejected: list[Rejected] = []  # since the caller last emptied it
         self._new: dict[int, list[int]] = {}  # sid -> blocks reserved for the step being planned
+        self._copies: dict[int, list[tuple[int, int]]] = {}  # sid -> its copies on write (source, destination)
         self._next_id = 0
 
     @property
@@ -102,8 +109,9 @@ class Scheduler:
             short = self._reserve(work)
             if short is None:
                 new = [b for blocks in self._new.values() for b in blocks]
-                self._new.clear()
-                return emit_step(self.blocks, work, new)
+                copies = tuple(c for cs in self._copies.values() for c in cs)
+                self._new, self._copies = {}, {}
+                return emit_step(self.blocks, work, new, copies=copies)
             self._preempt(short)
 
     def advance(self, plan: StepPlan) -> list[Sequence]:
@@ -111,8 +119,28 @@ class Scheduler:
         tokens are all cached now (those the worker returned logits for), in row order."""
         by_sid = {s.sid: s for s in self.running}
         for c in plan.seqs:
-            by_sid[c.sid].cached += c.n
+            s = by_sid[c.sid]
+            s.cached += c.n
+            self.blocks.register(s.sid, s.tokens, s.cached)
         return [by_sid[c.sid] for c in plan.seqs if c.finishes]
+
+    def fork(self, parent: Sequence, generators: list[torch.Generator]) -> list[Sequence]:
+        """needs: `parent` (choice 0 of a request with n > 1) has its prompt cached, nothing
+        generated. does: its n - 1 siblings, sharing its blocks, run from now on (the slots
+        its admission held). guarantees: returned in choice order, after `parent` in `running`."""
+        req = parent.request
+        assert req is not None and parent.choice == 0 and not parent.forked and not parent.generated
+        parent.forked = True
+        kids = []
+        for i, gen in enumerate(generators, start=1):
+            kid = Sequence(self._next_id, list(parent.tokens), parent.prompt_len, parent.max_new, parent.cached,
+                           request=req, generator=gen, choice=i)
+            self._next_id += 1
+            self.blocks.fork(parent.sid, kid.sid)
+            kids.append(kid)
+        at = self.running.index(parent) + 1
+        self.running[at:at] = kids
+        return kids
 
     def retire(self, seq: Sequence) -> None:
         """`seq` is finished: free its blocks and its slot."""
@@ -127,22 +155,28 @@ class Scheduler:
     def _admit(self, admit_new: bool) -> None:
         """Fill free slots while the prefill budget lasts and the pool has room to spare."""
         budget = self.budget_per_step - sum(min(s.pending, self.budget_per_step) for s in self.running if s.pending > 1)
-        while (self.preempted or (self.queue and admit_new)) and len(self.running) < self.limit and budget > 0:
-            tokens = len(self.preempted[0].tokens) if self.preempted else len(self.queue.peek().prompt_ids)
+        used = sum(s.slots for s in self.running)
+        while (self.preempted or (self.queue and admit_new)) and used < self.limit and budget > 0:
+            tokens = self.preempted[0].tokens if self.preempted else self.queue.peek().prompt_ids
+            slots = self.preempted[0].slots if self.preempted else self.queue.peek().n
             growth = len(self.running) // self.blocks.block_size + 1  # blocks the running ones may take next step
-            if self.running and self.blocks.blocks_for(tokens + 1) + growth > self.blocks.free_blocks:
+            need = self.blocks.blocks_for(len(tokens) + 1) - self.blocks.probe(list(tokens))
+            if self.running and (need + growth > self.blocks.free_blocks or used + slots > self.limit):
                 break
             seq = self.preempted.popleft() if self.preempted else self._new_sequence(self.queue.popleft())
+            seq.cached = self.blocks.match(seq.sid, seq.tokens)
             self.running.append(seq)
+            used += seq.slots
             budget -= min(seq.pending, budget)
 
     def _reserve(self, work: Work) -> KVCacheFull | None:
         """Reserve each chunk's positions in work order; at the first that does not fit, stop
         and say so (what is reserved stays reserved)."""
         for s, n in work:
-            need = self.blocks.needs(s.sid, s.cached + n)
+            need = self.blocks.needs(s.sid, s.cached + n, s.cached)
             if need > self.blocks.free_blocks:
                 return KVCacheFull(s.sid, need, self.blocks.free_blocks, self.blocks.num_blocks)
+            self._copies.setdefault(s.sid, []).extend(self.blocks.writable(s.sid, s.cached))
             self._new.setdefault(s.sid, []).extend(self.blocks.reserve(s.sid, s.cached + n))
         return None
 
@@ -152,6 +186,7 @@ class Scheduler:
         victim = self.running.pop()
         self.blocks.release(victim.sid)
         self._new.pop(victim.sid, None)
+        self._copies.pop(victim.sid, None)
         if self.running:
             victim.cached = 0
             self.preempted.appendleft(victim)
@@ -176,8 +211,10 @@ def _plan_work(running: list[Sequence], budget: int) -> Work:
     return work
 
 
-def emit_step(blocks: BlockAllocator, work: Work, new_blocks: list[int], all_rows: bool = False) -> StepPlan:
-    """needs: `work`'s positions reserved in `blocks`, `new_blocks` those reserved for it.
+def emit_step(blocks: BlockAllocator, work: Work, new_blocks: list[int], all_rows: bool = False,
+              copies: tuple[tuple[int, int], ...] = ()) -> StepPlan:
+    """needs: `work`'s positions reserved in `blocks` (each writing only blocks of its own),
+    `new_blocks` those reserved for it, `copies` the copies on write that made them its own.
     guarantees: the step plan of `work`, its phase "prefill" when most of its rows are."""
     chunks = []
     for s, n in work:
@@ -188,7 +225,8 @@ def emit_step(blocks: BlockAllocator, work: Work, new_blocks: list[int], all_row
                                slot_blocks, slot_offsets, n > 1 or s.cached < s.prompt_len,
                                s.cached + n == len(s.tokens)))
     prefill, total = sum(c.n for c in chunks if c.prefill), sum(c.n for c in chunks)
-    return StepPlan(chunks, "prefill" if 2 * prefill > total else "decode", new_blocks, blocks.usage(), all_rows)
+    return StepPlan(chunks, "prefill" if 2 * prefill > total else "decode", new_blocks, blocks.usage(), all_rows,
+                    copies)
 
 
 def reserve_step(blocks: BlockAllocator, work: Work, all_rows: bool = False) -> StepPlan:

@@ -4,6 +4,7 @@ flight (`Sequence`) and what comes back (`GenResult`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,13 @@ class GenResult:
     finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or context)
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, when recorded
     logprobs: list[LogprobEntry] | None = None  # per generated token, when the request asked
+    #: a request with n > 1: every completion, in order (the fields above are the first one's); else empty
+    choices: list["GenResult"] = field(default_factory=list)
+
+    @property
+    def completions(self) -> list["GenResult"]:
+        """Each completion of the request, in order (itself alone when n is 1)."""
+        return self.choices or [self]
 
 
 @dataclass(eq=False)
@@ -58,6 +66,14 @@ class Sequence:
     generator: torch.Generator | None = None  # its sampler's random state
     logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, when recorded
     logprobs: list[LogprobEntry] = field(default_factory=list)  # per generated token, when its request asked
+    choice: int = 0  # which of its request's n completions this is (0: the one that prefills the prompt)
+    forked: bool = False  # choice 0 of a request with n > 1: its siblings exist
+    constraint: Any = None  # its structured output's grammar matcher (structured.Matcher), when it has one
+
+    @property
+    def slots(self) -> int:
+        """Batch slots this sequence stands for: its request's n until its siblings are forked."""
+        return self.request.n if self.request is not None and self.choice == 0 and not self.forked else 1
 
     @property
     def generated(self) -> list[int]:

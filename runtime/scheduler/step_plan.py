@@ -3,7 +3,8 @@
 A step runs, for each sequence in it, a chunk of its not-yet-cached tokens (a prompt chunk
 being prefilled, or the one token it decodes). Every position a chunk writes is already
 reserved in the sequence's block table, and the blocks reserved for this step are listed so
-the worker zeroes them before anything reads them. The worker returns, for the sequences
+the worker zeroes them before anything reads them; blocks a sequence shared and now writes
+into are listed as copies (source, destination), made after the zeroing, before the step. The worker returns, for the sequences
 whose known tokens are all cached after the step, their next-token logits.
 
 Legend: S' = sequences finishing their known tokens this step, T = rows of the step, V =
@@ -47,6 +48,7 @@ class StepPlan:
     new_blocks: list[int]
     kv: KVUsage
     all_rows: bool = False  # every row reaches the head (scoring text), not only finishing ones
+    copies: tuple[tuple[int, int], ...] = ()  # (source, destination) blocks copied before the step (copy on write)
 
     @property
     def tokens(self) -> int:

@@ -270,11 +270,12 @@ class Worker:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """needs: every slot of `plan` reserved (the scheduler did). does: zero the plan's new
-        blocks, run every module over the step's rows, account the step. guarantees: the
+        blocks, make its copies on write, run every module over the step's rows, account the step. guarantees: the
         chunks' K/V are in the pool; the logits of the finishing sequences [S', V] (fp32),
         or of every row [T, V] with `plan.all_rows`."""
         t0 = time.perf_counter()
         self.kv.zero(plan.new_blocks)
+        self.kv.copy_blocks(plan.copies)
         b = StepBatch.build(plan, self.kv.block_size)
         experts_before = self.stats.experts_run
         copy0 = copy_counters(self.copy)
