@@ -27,6 +27,7 @@ def compile_model(
     host_reserve: int | None = None,
     prompt_tokens: int = 512,
     output_tokens: int = 256,
+    shared_prefix: float = 0.0,
     max_batch: int = 1024,
     hardware: str | os.PathLike | None = None,
     dump_dir: str | os.PathLike | None = None,
@@ -47,9 +48,11 @@ def compile_model(
     be saved at (save_plan(plan, output)): the quantized weights are written beside it, as
     `output` + ".weights.safetensors", the file the runtime reads for a plan at `output`.
     verify=None reads MOECC_VERIFY (the test suite sets it to 1, so every compile in tests
-    checks the graph after every pass). `attention`: auto, host or device (--attention)."""
+    checks the graph after every pass). `attention`: auto, host or device (--attention).
+    `shared_prefix`: the share of prompt tokens computed once by prefix sharing (what
+    `moecc compile --prompts` measures; moecc/planner/shared_prefix.py)."""
     options = CompileOptions(gpu_mem=gpu_mem, host_mem=host_mem, host_reserve=host_reserve, prompt_tokens=prompt_tokens,
-                             output_tokens=output_tokens, max_batch=max_batch,
+                             output_tokens=output_tokens, shared_prefix=float(shared_prefix), max_batch=max_batch,
                              hardware=None if hardware is None else str(hardware), quantize=quantize,
                              quantize_group_size=quantize_group_size, quantize_scope=quantize_scope,
                              quantize_symmetric=quantize_symmetric,

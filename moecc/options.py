@@ -21,6 +21,9 @@ class CompileOptions:
                    modelled reserve (moecc/planner/host_memory.py)
     prompt_tokens  the typical prompt length the batch is sized for (a mean)
     output_tokens  the typical output length (a mean; clipped to the model's context)
+    shared_prefix  the share of prompt tokens the runtime's prefix sharing computes once, in
+                   [0, 1) (`moecc compile --prompts` measures it: moecc/planner/shared_prefix.py);
+                   the planner prefills (1 - shared_prefix) of each prompt
     max_batch      upper bound on sequences in flight (B)
     hardware       a preset name, a `moecc profile` JSON path, or None: this machine's preset
     solve_seconds  CP-SAT's time limit per candidate (B, tokens per prefill step)
@@ -47,6 +50,7 @@ class CompileOptions:
     host_reserve: int | None = None
     prompt_tokens: float = 512
     output_tokens: float = 256
+    shared_prefix: float = 0.0
     max_batch: int = 1024
     hardware: str | None = None
     solve_seconds: float = 10.0

@@ -71,11 +71,13 @@ def replan_for_device(plan: dict[str, Any], model_dir: Path, device: torch.devic
     host_mem = host.get("budget")
     try:
         from moecc.compiler import compile_model
+        from moecc.planner.cost_model import shared_prefix_of
 
         new, _ = compile_model(model_dir, gpu_mem=budget, host_mem=host_mem,
                                host_reserve=host.get("reserve") if host_mem is not None else None,
                                prompt_tokens=max(1, round(float(wl["prompt_tokens"]))),
                                output_tokens=max(1, round(float(wl["output_tokens"]))),
+                               shared_prefix=shared_prefix_of(plan),
                                max_batch=max(int(plan["batch"]["decode"]["B"]), int(plan["batch"]["prefill"]["B"])),
                                hardware=None)
     except (MoeccError, ValueError, ImportError) as e:

@@ -36,14 +36,15 @@ class Engine:
                  expert_chunk: int | None = None, attn_micro_batch: int | None = None,
                  kv_blocks: int | None = None, block_size: int | None = None, record_steps: bool = False,
                  plan_path: Path | str | None = None, attention: str | None = None,
-                 keep_on_device: bool | None = None):
+                 keep_on_device: bool | None = None, share_prefixes: bool = True):
         """`plan_path`: where the plan was read from (its quantized weights, if any, are beside it);
         `attention` ("host" / "device"): overrides the plan's attention placement;
         `keep_on_device`: values between device modules stay in the arena (default: on CUDA;
-        see Worker). On CUDA the plan must have a device arena (compiled with --gpu-mem):
+        see Worker); `share_prefixes`: KV blocks of prompt prefixes computed once are shared
+        (scheduler/blocks.py). On CUDA the plan must have a device arena (compiled with --gpu-mem):
         PlanError otherwise."""
         geo = KVGeometry.from_plan(plan, kv_blocks, block_size)
-        self.blocks = BlockAllocator(geo.num_blocks, geo.block_size)
+        self.blocks = BlockAllocator(geo.num_blocks, geo.block_size, share_prefixes)
         self.worker = Worker(plan, model_dir, device, expert_chunk=expert_chunk, attn_micro_batch=attn_micro_batch,
                              kv=geo, record_steps=record_steps, plan_path=plan_path, attention=attention,
                              keep_on_device=keep_on_device)

@@ -8,7 +8,7 @@ from moecc/planner/cost_model.py, `CostModel`).
 Requires: transfers.
 Does: reads the hardware profile (`ctx.options.hardware`: a preset name, a profile JSON,
   or None for this machine's default), the budgets (`gpu_mem`, `host_mem`, bytes), the
-  workload (`prompt_tokens`, `output_tokens`, `max_batch`), `attention` (auto, host,
+  workload (`prompt_tokens`, `output_tokens`, `shared_prefix`, `max_batch`), `attention` (auto, host,
   device) and `solve_seconds`; fails with BudgetError naming the smallest budget that would
   fit when even the minimum working set does not. Solves once more with attention all on
   the host and once all on the device, unless the chosen plan is one of them, for what
@@ -65,6 +65,8 @@ class SolveBatchSizes(Pass):
         g.attrs["predicted"] = _predicted(pr, pred)
         g.attrs["predicted"]["attention"] = _attention_report(pr, sol, pred, float(ctx.options.solve_seconds))
         g.attrs["predicted"]["expert_prefetch"] = _expert_prefetch(pr, sol.choice)
+        if pr.shared_prefix:  # in predicted: the schema's batch.workload refuses keys it does not know
+            g.attrs["predicted"]["shared_prefix"] = _shared_prefix(pr)
         g.attrs["timeline"] = pred.timeline()  # the two DAGs as plain data: what `moecc explain --timeline` draws
         g.attrs["solution"] = _solution(sol)
         return PassResult(g, modified=True)
@@ -82,7 +84,19 @@ def _problem(g: Graph, o: CompileOptions) -> S.Problem:
     available = available_host_bytes() if o.host_mem is None else None
     return S.Problem(model_cost(g), resolve_hardware(o.hardware), prompt, output, gpu_mem=o.gpu_mem,
                      host_mem=o.host_mem, max_batch=int(o.max_batch), host_reserve_given=o.host_reserve,
-                     host_available=available, attention=o.attention)
+                     host_available=available, attention=o.attention, shared_prefix=float(o.shared_prefix))
+
+
+def _shared_prefix(pr: S.Problem) -> dict[str, Any]:
+    """The prefix sharing the plan was sized for (what `moecc explain` shows): the share of
+    prompt tokens computed once, per request the prompt and shared tokens (means), the
+    prefill work left (1 - share) and the KV block size the share was counted in."""
+    from moecc.planner.shared_prefix import UPPER_BOUND_NOTE
+
+    s = pr.shared_prefix
+    return {"share": s, "prompt_tokens": pr.prompt_tokens, "shared_tokens": pr.prompt_tokens * s,
+            "prefill_work": 1.0 - s, "block_size": S.KV_BLOCK,
+            "note": UPPER_BOUND_NOTE + "; the KV pool is sized as if nothing were shared"}
 
 
 def _host_source(pr: S.Problem) -> str:

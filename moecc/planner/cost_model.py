@@ -16,6 +16,9 @@ The step shapes of a workload are one rule for all of them (`Workload`): a decod
 sequences has B rows at a mean context of prompt + output / 2; a prefill step of tps prompt
 tokens covers ceil(tps / prompt) sequences (at least one: a longer prompt is prefilled over
 several steps), each at a mean context of prompt / 2, and that many rows reach the head.
+With a shared prefix (a share s of the prompt tokens computed once, by the runtime's prefix
+sharing) a request prefills only (1 - s) x prompt tokens, each still attending over the
+shared prefix before it (mean context s x prompt + (1 - s) x prompt / 2); decode is unchanged.
 """
 
 from __future__ import annotations
@@ -33,19 +36,35 @@ from moecc.planner.schedule import (Knobs, Rates, Schedule, StepShape, attn_laye
 
 @dataclass(frozen=True)
 class Workload:
-    """The typical request: prompt tokens and output tokens (means; need not be integers)."""
+    """The typical request: prompt tokens and output tokens (means; need not be integers),
+    and the share of the prompt tokens whose KV the runtime's prefix sharing computes once
+    (`shared_prefix`, in [0, 1): moecc/planner/shared_prefix.py; 0: every prompt token is
+    prefilled)."""
 
     prompt_tokens: float
     output_tokens: float
+    shared_prefix: float = 0.0
+
+    @property
+    def prefill_tokens(self) -> float:
+        """Prompt tokens a request computes in prefill: (1 - shared_prefix) of its prompt."""
+        return self.prompt_tokens * (1.0 - self.shared_prefix) if self.shared_prefix else self.prompt_tokens
 
     def decode_shape(self, B: int) -> StepShape:
         """B sequences, one row each, at the mean context over the request's decode."""
         return StepShape(S=B, T=B, context=self.prompt_tokens + self.output_tokens / 2, head_rows=B)
 
     def prefill_shape(self, tps: int) -> StepShape:
-        """tps prompt tokens over ceil(tps / prompt) sequences (at least one)."""
-        seqs = int(math.ceil(max(1.0, tps / max(self.prompt_tokens, 1))))
-        return StepShape(S=seqs, T=tps, context=self.prompt_tokens / 2, head_rows=seqs)
+        """tps computed prompt tokens over ceil(tps / prefill_tokens) sequences (at least
+        one), at the mean position of a computed token: the shared prefix before it, and
+        half the rest (the prompt / 2 without sharing): a computed token still attends over
+        the shared prefix."""
+        seqs = int(math.ceil(max(1.0, tps / max(self.prefill_tokens, 1))))
+        if self.shared_prefix:
+            context = self.prompt_tokens * self.shared_prefix + self.prefill_tokens / 2
+        else:
+            context = self.prompt_tokens / 2
+        return StepShape(S=seqs, T=tps, context=context, head_rows=seqs)
 
 
 PHASES: tuple[str, ...] = ("decode", "prefill")
@@ -104,9 +123,19 @@ def streams_of(plan: dict[str, Any]) -> bool:
 
 
 def workload_of(plan: dict[str, Any]) -> Workload:
-    """The workload the plan was sized for."""
+    """The workload the plan was sized for (its shared-prefix share: `shared_prefix_of`)."""
     wl = plan["batch"]["workload"]
-    return Workload(float(wl["prompt_tokens"]), float(wl["output_tokens"]))
+    return Workload(float(wl["prompt_tokens"]), float(wl["output_tokens"]), shared_prefix_of(plan))
+
+
+def shared_prefix_of(plan: dict[str, Any]) -> float:
+    """The share of prompt tokens the plan was sized to compute once: batch.workload's
+    `shared_prefix` where the plan schema has it, else the planner's record of it in
+    predicted.shared_prefix.share (batch.workload refuses unknown keys); 0 without either."""
+    wl = plan["batch"]["workload"]
+    if "shared_prefix" in wl:
+        return float(wl["shared_prefix"])
+    return float(((plan.get("predicted") or {}).get("shared_prefix") or {}).get("share", 0.0))
 
 
 @dataclass
@@ -129,9 +158,10 @@ class Prediction:
 
     @property
     def job_tokens_per_s(self) -> float:
-        """Generated tokens per second of a request's share of both phases' steps."""
+        """Generated tokens per second of a request's share of both phases' steps (its
+        prefill: the prompt tokens it computes, less its shared prefix)."""
         wl = self.workload
-        per_request = wl.output_tokens / self.decode_tokens_per_s + wl.prompt_tokens / self.prefill_tokens_per_s
+        per_request = wl.output_tokens / self.decode_tokens_per_s + wl.prefill_tokens / self.prefill_tokens_per_s
         return wl.output_tokens / per_request
 
     def rates(self) -> dict[str, float]:

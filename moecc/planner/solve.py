@@ -40,7 +40,8 @@ Formulation (all times in µs, memory in bytes; `x_*` one-hot choices, `r_g` res
     The arena is what the runtime allocates (plan["arena"]); temporaries live beside it.
   host memory (when --host-mem is set), at a 0.8 derate:
     weights + B . blocks per sequence . block bytes + rows . host-buffer bytes per row <= budget
-  objective (per request): minimise output/B . T_decode + prompt/tps . T_prefill,
+  objective (per request): minimise output/B . T_decode + prompt/tps . T_prefill
+    (prompt: the tokens a request computes, (1 - shared prefix share) of its prompt),
     i.e. maximise the job's generated tokens/s; B and tps are enumerated outside (each a
     constant there, so the objective is linear) and the best pair wins.
 `enumerate_best` evaluates the same model by brute force (tests check they agree).
@@ -92,10 +93,13 @@ class Problem:
     attention: str = "auto"  # --attention: auto (placed by the program), host or device
     split_options: tuple[float, ...] = (0.75, 0.5, 0.25)  # host fractions of a split offered by auto
     host_fractions: dict[str, tuple[float, ...]] | None = None  # per phase, offered (overrides `attention`)
+    shared_prefix: float = 0.0  # share of prompt tokens computed once (prefix sharing; cost_model.Workload)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, not {self.attention!r}")
+        if not 0.0 <= self.shared_prefix < 1.0:
+            raise ValueError(f"shared_prefix is a share of the prompt tokens in [0, 1), not {self.shared_prefix!r}")
 
     def offered_fractions(self, phase: str) -> tuple[float, ...]:
         """Host fractions offered for `phase`'s attention: `host_fractions` when set; else by
@@ -123,7 +127,12 @@ class Problem:
 
     @property
     def workload(self) -> Workload:
-        return Workload(self.prompt_tokens, self.output_tokens)
+        return Workload(self.prompt_tokens, self.output_tokens, self.shared_prefix)
+
+    @property
+    def prefill_tokens(self) -> float:
+        """Prompt tokens a request computes in prefill (less its shared prefix)."""
+        return self.workload.prefill_tokens
 
     def cost_model(self) -> CostModel:
         """The cost model of this problem's steps (streamed exactly when copies are made)."""
@@ -196,7 +205,7 @@ class Solution:
         """The linear model's job throughput: generated tokens per second of one request's
         share of the steps."""
         t = pr.output_tokens / self.choice.B * self.decode_step_s + \
-            pr.prompt_tokens / self.choice.prefill[0] * self.prefill_step_s
+            pr.prefill_tokens / self.choice.prefill[0] * self.prefill_step_s
         return pr.output_tokens / t if t > 0 else 0.0
 
 
@@ -274,12 +283,12 @@ def _tables(pr: Problem, B: int) -> _Tables:
         room = int(pr.gpu_mem * DEVICE_DERATE) - mem["dev_fixed"] - min(mem["dev_p"].values())
     return _Tables(B=B, att=att, b_e=b_e, pre=pre, p=p, groups=pr.groups(), **times, **mem, host_bytes=host,
                    steal=int(round((1.0 - pr.rates.copy_overlap) * STEAL_SCALE)), w_dec=pr.output_tokens / B,
-                   w_pre={k: pr.prompt_tokens / k[0] for k in pre}, room=room)
+                   w_pre={k: pr.prefill_tokens / k[0] for k in pre}, room=room)
 
 
 def tps_offered(pr: Problem, B: int) -> list[int]:
     """Prompt tokens per prefill step offered at batch B (before the host budget)."""
-    pre_tps = sorted({min(t, max(1, int(B * pr.prompt_tokens))) for t in pr.tps_options})
+    pre_tps = sorted({min(t, max(1, int(B * pr.prefill_tokens))) for t in pr.tps_options})
     if pr.rates.device_kind == "cpu":  # host tensors above glibc's 32 MiB mmap threshold are mapped
         # fresh on every allocation (page faults on first touch: measured 25% slower steps)
         fit = [t for t in pre_tps if t * pr.cost.hidden * 4 < CPU_FRESH_MAP_BYTES]
@@ -405,7 +414,7 @@ def _memory(pr: Problem, B: int, att: list[DecKey], b_e: list[int], pre: list[Pr
         "dev_fixed": 2 * c.dense_slot_bytes if pr.copies else 0,
         "dev_att": {k: k[1] * c.hidden * 6 * it for k in att},
         "dev_b_e": {e: e * c.act_bytes_per_token for e in b_e},
-        "dev_pre": {k: min(k[0], k[1] * max(1, int(pr.prompt_tokens))) * c.hidden * 6 * it
+        "dev_pre": {k: min(k[0], k[1] * max(1, int(pr.prefill_tokens))) * c.hidden * 6 * it
                     + k[2] * c.act_bytes_per_token for k in pre},
         "dev_p": {q: (q + 1) * c.expert_slot_bytes for q in p},
         "dev_kv_dec": {k: pr.kv_buffer_bytes(pr.kv_buffer_seqs(B, k[0], k[1])) for k in att},

@@ -42,6 +42,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
         "workload": batch.get("workload"),
         "attention": attention_report(plan),
         "expert_prefetch": pred.get("expert_prefetch"),
+        "shared_prefix": pred.get("shared_prefix"),
     }
     if prompts is not None:
         out["eta"] = _eta(plan, prompts, model_dir, default_max_tokens, out, plan_path)
@@ -50,31 +51,47 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
     return out
 
 
-def workload_of(prompts: Path, model_dir: Path, default_max: int) -> dict[str, int]:
-    """Valid and invalid requests of a prompts file, their prompt tokens and max_tokens."""
+def workload_of(prompts: Path, model_dir: Path, default_max: int, block_size: int | None = None) -> dict[str, Any]:
+    """Valid and invalid requests of a prompts file, their prompt tokens and max_tokens, and
+    the prompt tokens prefix sharing would reuse (`shared_prefix_tokens`: leading full KV
+    blocks of `block_size` tokens, before a prompt's last token, that an earlier request
+    computed; in file order with everything kept cached: an upper bound), the tokens left to
+    compute (`unique_prompt_tokens`) and their share (`shared_prefix`:
+    moecc/planner/shared_prefix.py). block_size None: the planner's (KV_BLOCK_SIZE)."""
     from moecc_runtime.job.requests import RequestError, iter_requests
     from moecc_runtime.tokenizer import Tokenizer
 
+    from moecc.planner.shared_prefix import PrefixCounter
+
     tok = Tokenizer(model_dir)
-    n = bad = prompt_tokens = output_tokens = 0
+    prefix = PrefixCounter() if block_size is None else PrefixCounter(int(block_size))
+    n = bad = output_tokens = 0
     for item in iter_requests(prompts):
         if isinstance(item, RequestError):
             bad += 1
             continue
         n += 1
-        prompt_tokens += len(tok.encode_request(item))
+        prefix.add(tok.encode_request(item))
         output_tokens += item.max_tokens or default_max
-    return {"requests": n, "invalid": bad, "prompt_tokens": prompt_tokens, "max_output_tokens": output_tokens}
+    return {"requests": n, "invalid": bad, "prompt_tokens": prefix.prompt_tokens, "max_output_tokens": output_tokens,
+            "shared_prefix_tokens": prefix.shared_tokens, "unique_prompt_tokens": prefix.unique_tokens,
+            "shared_prefix": prefix.share, "block_size": prefix.block_size}
 
 
 def _eta(plan: dict[str, Any], prompts: Path, model_dir: Path | None, default_max: int,
          rep: dict[str, Any], plan_path: Path | None = None) -> dict[str, Any]:
     from moecc_runtime.plan import check_checkpoint
 
-    w = workload_of(prompts, check_checkpoint(plan, model_dir, plan_path), default_max)
+    block = (plan["batch"].get("kv") or {}).get("block_size")
+    w = workload_of(prompts, check_checkpoint(plan, model_dir, plan_path), default_max, block)
     pre, dec = rep["prefill_tokens_per_s"] or 0, rep["decode_tokens_per_s"] or 0
-    seconds = (w["prompt_tokens"] / pre if pre else 0) + (w["max_output_tokens"] / dec if dec else 0)
-    return {**w, "seconds": seconds, "note": "upper bound: requests that stop at EOS finish sooner"}
+    # prefill computes only the prompt tokens no earlier request computed (prefix sharing)
+    seconds = (w["unique_prompt_tokens"] / pre if pre else 0) + (w["max_output_tokens"] / dec if dec else 0)
+    note = "upper bound: requests that stop at EOS finish sooner"
+    if w["shared_prefix_tokens"]:
+        note += (f"; prefill of the {w['unique_prompt_tokens']} prompt tokens not in a shared prefix (at most "
+                 f"{w['shared_prefix']:.0%} shared, if every block seen stays cached)")
+    return {**w, "seconds": seconds, "note": note}
 
 
 def format_explain(rep: dict[str, Any]) -> str:
@@ -91,6 +108,7 @@ def format_explain(rep: dict[str, Any]) -> str:
     if rep.get("job_tokens_per_s"):
         lines.append(f"  job      {rep['job_tokens_per_s']:12.1f} generated tok/s for the compiled workload "
                      f"{rep.get('workload')}")
+    lines += shared_prefix_lines(rep.get("shared_prefix"))
     lines += attention_lines(rep.get("attention"))
     ov = rep.get("overlap")
     if ov:
@@ -108,11 +126,24 @@ def format_explain(rep: dict[str, Any]) -> str:
     lines += _format_lines(rep.get("weight_formats") or {})
     eta = rep.get("eta")
     if eta:
-        lines.append(f"  ETA for {eta['requests']} requests ({eta['prompt_tokens']} prompt tokens, up to "
+        computed = (f", {eta['unique_prompt_tokens']} of them computed" if eta.get("shared_prefix_tokens") else "")
+        lines.append(f"  ETA for {eta['requests']} requests ({eta['prompt_tokens']} prompt tokens{computed}, up to "
                      f"{eta['max_output_tokens']} output tokens): {_hms(eta['seconds'])} ({eta['note']})")
     if rep.get("measured"):
         lines.append(format_comparison(rep["measured"]))
     return "\n".join(lines)
+
+
+def shared_prefix_lines(sp: dict[str, Any] | None) -> list[str]:
+    """One line when the plan was sized for a shared prefix (compiled with --prompts), e.g.
+    "shared prefix: 61% of prompt tokens (512 of 840 per request) computed once; prefill
+    work 0.39x (an upper bound: ...)"."""
+    if not sp or not sp.get("share"):
+        return []
+    s = float(sp["share"])
+    return [f"  shared prefix: {s:.0%} of prompt tokens ({float(sp['shared_tokens']):.0f} of "
+            f"{float(sp['prompt_tokens']):.0f} per request) computed once; prefill work "
+            f"{float(sp.get('prefill_work', 1.0 - s)):.2f}x ({sp.get('note') or 'an upper bound'})"]
 
 
 def attention_report(plan: dict[str, Any]) -> dict[str, Any]:

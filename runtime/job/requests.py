@@ -43,7 +43,7 @@ PENALTY_FIELDS: tuple[str, ...] = ("presence_penalty", "frequency_penalty", "rep
                                    "min_tokens")
 KNOWN_FIELDS: tuple[str, ...] = (
     "custom_id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-) + PENALTY_FIELDS + ("logprobs", "top_logprobs")
+) + PENALTY_FIELDS + ("logprobs", "top_logprobs", "response_format")
 MAX_TOP_LOGPROBS = 20  # chat completions' (and simple lines') top_logprobs: 0..20, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's logprobs: 0..5
 #: OpenAI Batch API lines: these top-level fields, and a body with these parameters
@@ -59,8 +59,6 @@ _NEUTRAL: dict[str, tuple[Callable[[object], bool], str, str]] = {
     "stream_options": (lambda v: v is None, "null", "streaming is not supported by moecc"),
     "n": (lambda v: v is None or (type(v) is int and v == 1), "1",
           "n > 1 (several completions per request) is not supported yet"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}',
-                        "structured output (response_format other than text) is not supported yet"),
     "echo": (lambda v: v is None or v is False, "false", "echo is not supported yet"),
     "best_of": (lambda v: v is None or (type(v) is int and v == 1), "1", "best_of > 1 is not supported yet"),
     "suffix": (lambda v: v is None, "null", "suffix (insertion) is not supported yet"),
@@ -76,14 +74,18 @@ _BODY_SAMPLING: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k"
 BODY_FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("model", "messages", "max_completion_tokens", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS,
              *(k for k in _NEUTRAL if k not in ("echo", "best_of", "suffix")), "logprobs", "top_logprobs",
-             *_REFUSED),
+             "response_format", *_REFUSED),
     "completions": ("model", "prompt", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS, *_NEUTRAL, "logprobs", "top_logprobs",
-                    *_REFUSED),
+                    "response_format", *_REFUSED),
 }
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
 _MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
 _NOT_YET_SUPPORTED = frozenset({"stream", "tools", "tool_choice", "functions",
-                                "response_format", "echo", "best_of", "suffix", "n"})
+                                "echo", "best_of", "suffix", "n"})
+#: response_format types: "text" (free text), "json_object" (any JSON object), "json_schema" (OpenAI's
+#: structured outputs: {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}})
+RESPONSE_FORMAT_TYPES: tuple[str, ...] = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_FIELDS: tuple[str, ...] = ("name", "schema", "strict", "description")
 _PENALTY_LIMIT = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 _BIAS_LIMIT = 100.0  # and for logit_bias values: [-100, 100]
 _SEED_LIMIT = 2**64  # torch.manual_seed accepts seeds in [0, 2**64)
@@ -113,7 +115,7 @@ class Request:
     min_tokens: int = 0  # EOS (and stop strings) held off until this many tokens were generated
     logprobs: int | None = None  # None: not asked; N >= 0: each token's logprob and its N most likely
     n: int = 1  # completions (choices) asked for this prompt
-    #: structured output: ("json_object", "") or ("json_schema", the schema as canonical JSON); None: free text
+    #: structured output: ("json_object", "") or ("json_schema", the schema as compact JSON, key order kept); None: text
     response_format: tuple[str, str] | None = None
 
 
@@ -305,6 +307,51 @@ def _check_stop(value: object, field: str) -> tuple[str, ...]:
     return tuple(_check_str(s, where(i), allow_empty=False) for i, s in enumerate(items))
 
 
+def _check_response_format(value: object, field: str) -> tuple[str, str] | None:
+    """OpenAI's response_format -> None (text), ("json_object", "") or ("json_schema", the schema
+    as compact JSON, its keys in the request's order: the order of `properties` is the order
+    the output's keys are generated in). Only the shape is checked here: whether the schema can
+    be enforced is checked when the job starts (moecc_runtime.structured.GrammarCompiler.check)."""
+    if value is None:
+        return None
+    accepted = ", ".join(f'"{t}"' for t in RESPONSE_FORMAT_TYPES)
+    if not isinstance(value, dict):
+        raise RequestFieldError(field, f'expected an object like {{"type": "json_object"}} (type one of '
+                                f"{accepted}), got {_describe(value)}")
+    if "type" not in value:
+        raise RequestFieldError(f"{field}.type", f"missing required field (accepted: {accepted})")
+    kind = value["type"]
+    if not isinstance(kind, str) or kind not in RESPONSE_FORMAT_TYPES:
+        raise RequestFieldError(f"{field}.type", f"expected one of {accepted}, got {_describe(kind)}")
+    _unknown(value, ("type", "json_schema") if kind == "json_schema" else ("type",), field + ".")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json_object", "")
+    where = f"{field}.json_schema"
+    if "json_schema" not in value:
+        raise RequestFieldError(where, 'missing required field for type "json_schema" '
+                                '(an object {"name": ..., "schema": {...}, "strict": true})')
+    spec = value["json_schema"]
+    if not isinstance(spec, dict):
+        raise RequestFieldError(where, 'expected an object {"name": ..., "schema": {...}, "strict": true}, '
+                                f"got {_describe(spec)}")
+    _unknown(spec, _JSON_SCHEMA_FIELDS, where + ".")
+    if spec.get("name") is not None:
+        _check_str(spec["name"], f"{where}.name")
+    if spec.get("description") is not None:
+        _check_str(spec["description"], f"{where}.description")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise RequestFieldError(f"{where}.strict", f"expected true or false, got {_describe(strict)}")
+    if "schema" not in spec:
+        raise RequestFieldError(f"{where}.schema", "missing required field (the JSON Schema the output must match)")
+    schema = spec["schema"]
+    if not isinstance(schema, dict):
+        raise RequestFieldError(f"{where}.schema", f"expected a JSON Schema object, got {_describe(schema)}")
+    return ("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
 def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
     """max_tokens, temperature, top_p, top_k, seed, stop and the penalties of a simple line or a
     Batch API body (where, as in vLLM, top_k -1 also means off)."""
@@ -435,6 +482,8 @@ def _parse_batch_line(obj: dict, line: int, custom_id: str) -> Request:
         raise RequestFieldError("body.max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
     knobs = _sampling(body, "body.")
     knobs.update(_chat_logprobs(body, "body.") if api == "chat" else _completion_logprobs(body))
+    if body.get("response_format") is not None:
+        knobs["response_format"] = _check_response_format(body["response_format"], "body.response_format")
     return Request(line=line, custom_id=custom_id, prompt=prompt, messages=messages, api=api, model=model, **knobs)
 
 
@@ -474,6 +523,8 @@ def parse_request(obj: object, *, path: str, line: int) -> Request:
         messages = _check_messages(obj["messages"]) if has_messages else None
         knobs = _sampling(obj)
         knobs.update(_chat_logprobs(obj))
+        if obj.get("response_format") is not None:
+            knobs["response_format"] = _check_response_format(obj["response_format"], "response_format")
     except RequestFieldError as exc:
         exc.custom_id = custom_id
         raise
