@@ -32,7 +32,8 @@ def compile_cmd(
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Typical prompt length, for sizing the batch."),
     output_tokens: int = typer.Option(256, "--output-tokens", help="Typical output length, for sizing the batch."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Take the workload shape (mean prompt "
-                                           "tokens, mean max_tokens) from this prompts file instead."),
+                                           "tokens, mean max_tokens, and the share of prompt tokens in "
+                                           "prefixes shared across requests) from this prompts file instead."),
     max_batch: int = typer.Option(1024, "--max-batch", help="Upper bound on sequences in flight (B)."),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="A preset (t4, l4, rtx4090, a5000, a6000, "
                                            "a100-80gb, h100-80gb, h200, cpu) or a JSON file from `moecc profile`. "
@@ -78,18 +79,21 @@ def compile_cmd(
     except (MoeccError, ValueError) as e:
         _fail(str(e))
 
+    shared_prefix = 0.0
     if prompts is not None:
         try:
-            prompt_tokens, output_tokens = _workload_from(prompts, model_dir, output_tokens)
+            prompt_tokens, output_tokens, shared_prefix = _workload_from(prompts, model_dir, output_tokens)
         except (OSError, RuntimeError, ValueError) as e:
             _fail(f"--prompts {prompts}: {e}")
+        shared = (f"; {shared_prefix:.0%} of prompt tokens in shared prefixes (computed once)"
+                  if shared_prefix else "")
         typer.echo(f"workload from {prompts}: {prompt_tokens} prompt tokens, {output_tokens} output tokens "
-                   f"on average", err=True)
+                   f"on average{shared}", err=True)
 
     try:
         plan, graph = compile_model(model_dir, gpu_mem=gpu, host_mem=host, host_reserve=reserve,
-                                    prompt_tokens=prompt_tokens,
-                                    output_tokens=output_tokens, max_batch=max_batch, hardware=hardware,
+                                    prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                                    shared_prefix=shared_prefix, max_batch=max_batch, hardware=hardware,
                                     dump_dir=dump_dir,
                                     dump_formats=tuple(f.strip() for f in dump_format.split(",") if f.strip()),
                                     print_after=set(print_after) or None, verify=verify, quantize=quantize,
@@ -119,15 +123,17 @@ def _where(plan: dict) -> str:
                      for ph in ("decode", "prefill"))
 
 
-def _workload_from(prompts: Path, model_dir: Path, default_max: int) -> tuple[int, int]:
-    """Mean prompt tokens and mean max_tokens of the valid requests in a prompts file."""
+def _workload_from(prompts: Path, model_dir: Path, default_max: int) -> tuple[int, int, float]:
+    """Mean prompt tokens and mean max_tokens of the valid requests in a prompts file, and
+    the share of their prompt tokens prefix sharing computes once (explain.workload_of:
+    counted in the planner's KV block size, KV_BLOCK_SIZE, the block size of every plan)."""
     from moecc.views.explain import workload_of
 
     w = workload_of(prompts, model_dir, default_max)
     if w["requests"] == 0:
         raise ValueError("no valid request in the file")
     n = w["requests"]
-    return max(1, round(w["prompt_tokens"] / n)), max(1, round(w["max_output_tokens"] / n))
+    return max(1, round(w["prompt_tokens"] / n)), max(1, round(w["max_output_tokens"] / n)), float(w["shared_prefix"])
 
 
 @app.command("exec")
@@ -154,6 +160,9 @@ def exec_cmd(
                                               "local one; 'auto': the running cluster)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Ray actors (default: one per GPU, or per "
                                           "CPU core on a CPU-only cluster)."),
+    no_share_prefixes: bool = typer.Option(False, "--no-share-prefixes", help="Compute every request's whole "
+                                           "prompt, even prefixes an earlier request computed (by default their "
+                                           "KV blocks are shared)."),
 ) -> None:
     """Run PLAN over every request in PROMPTS (moecc's simple lines or OpenAI Batch API lines).
 
@@ -202,6 +211,7 @@ def exec_cmd(
                           model_dir=model, max_tokens=max_tokens, device=device, max_batch=max_batch,
                           stats_path=stats, fmt=fmt, resume=resume, progress="quiet" if quiet else "auto",
                           handle_signals=True, log=None if quiet else sys.stderr, ray=ray_options,
+                          share_prefixes=not no_share_prefixes,
                           replan=partial(replan_for_device, plan_path=plan, log=lambda m: typer.echo(m, err=True)))
     except JobLockError as e:  # nothing was written: the files belong to another run, or collide
         _fail(str(e))

@@ -146,7 +146,7 @@ BATCH = [
     {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
      "body": {"model": "tiny", "prompt": "the kettle clicked", "max_tokens": 5, "temperature": 0}},
     {"custom_id": "simple-1", "prompt": "on an axle", "max_tokens": 4},
-    {"custom_id": "bad-n", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}},
+    {"custom_id": "bad-n", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 0}},
     {"custom_id": "bad-param", "method": "POST", "url": "/v1/chat/completions",
      "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}},
 ]

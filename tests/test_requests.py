@@ -161,7 +161,7 @@ def test_iter_requests_streams_in_file_order(tmp_path: Path) -> None:
         ('{"prompt": "a", "max_new_tokens": 5}', "max_new_tokens",
          "unknown field 'max_new_tokens' (known: custom_id, prompt, messages, max_tokens, temperature,"
          " top_p, top_k, seed, stop, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,"
-         " min_tokens, logprobs, top_logprobs, response_format)"),
+         " min_tokens, logprobs, top_logprobs, response_format, n)"),
         ('{"prompt": "a", "logprobs": true, "top_logprobs": 30}', "top_logprobs", "an integer in [0, 20]"),
         ('{"prompt": "a", "stream": true}', "stream", "unknown field 'stream' (not supported by moecc)"),
         ('{"prompt": "a", "x": 1, "y": 2}', "x", "unknown fields 'x', 'y'"),
@@ -357,7 +357,7 @@ def test_parse_request_only_raises_field_errors(obj: object) -> None:
 bad_lines = st.sampled_from([
     b"{", b"[]", b'{"prompt": ""}', b'{"prompt": "a", "max_tokens": true}', b"\xff",
     b'{"messages": [{"role": "user"}]}', b'{"prompt": "a", "stop": 5}', b"null",
-    b'{"custom_id": "z", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "n": 2}}',
+    b'{"custom_id": "z", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "n": 200}}',
 ])
 
 

@@ -2,7 +2,8 @@
 
 The driver (the `moecc exec` process) reads and validates the requests as a local run does
 (bad lines fail there, a resumed job skips what is done), cuts the rest into shards of a
-few requests, and hands them to a pool of Ray actors. Each actor holds one device (a GPU
+few requests as actors come free for them (the input is read a shard at a time, never held
+whole), and hands them to a pool of Ray actors. Each actor holds one device (a GPU
 when the job runs on CUDA, else `cpus_per_worker` CPU cores) and runs the same runtime on
 the same plan; the checkpoint must sit at a path every node sees (the plan records it, or
 pass `model_dir`). A shard's results come back when the shard finishes and the driver
@@ -21,7 +22,9 @@ module import time.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Sized
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -64,6 +67,17 @@ class ShardRunner:
         self.engine = Engine(plan, Path(model_dir), torch.device(device), plan_path=plan_path)
         self.tok = Tokenizer(Path(model_dir))
         self.max_batch = max_batch
+        self._grammars: Any = None
+
+    def _grammar(self, req: GenRequest) -> Any:
+        """A fresh matcher for a request's response_format (the grammars built on first use)."""
+        if self._grammars is None:
+            from moecc_runtime.structured import GrammarCompiler
+
+            info = self.engine.plan["model"]["info"]
+            self._grammars = GrammarCompiler(self.tok, int(info["vocab_size"]),
+                                             eos_ids=[int(t) for t in info["eos_token_ids"]])
+        return self._grammars.matcher(req.response_format)
 
     def run(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
         """Run a shard's requests to completion: {"results": [...], "errors": [[key, message]]}."""
@@ -73,45 +87,62 @@ class ShardRunner:
         results: list[dict[str, Any]] = []
         errors: list[list[str]] = []
 
-        generate(self.engine, reqs, lambda r: results.append({"key": r.key, "prompt_ids": r.prompt_ids,
-                                                               "token_ids": r.token_ids,
-                                                               "finish_reason": r.finish_reason,
-                                                               "logprobs": r.logprobs}),
-                 max_batch=self.max_batch, on_error=lambda r, m: errors.append([r.key, m]),
-                 stop_check=self.tok.stop_check)
+        def done(r: GenResult) -> None:
+            results.append({**_plain_result(r), "choices": [_plain_result(c) for c in r.choices]})
+
+        generate(self.engine, reqs, done, max_batch=self.max_batch, on_error=lambda r, m: errors.append([r.key, m]),
+                 stop_check=self.tok.stop_check, grammar=self._grammar)
         return {"results": results, "errors": errors, "steps": self.engine.stats.steps}
 
 
-def run_on_ray(job: Any, requests: list[GenRequest], plan: dict[str, Any], model_dir: Path, *, device: str,
-               max_batch: int | None, options: RayOptions, control: Callable[[], str]) -> str:
+def run_on_ray(job: Any, requests: Iterable[GenRequest], plan: dict[str, Any], model_dir: Path, *, device: str,
+               max_batch: int | None, options: RayOptions, control: Callable[[], str],
+               total: int | None = None) -> str:
     """Run `requests` on a pool of Ray actors, writing results through `job` (exec.Job) as
-    shards finish. `control()` as for generate ("drain": no new shards; "stop": return now).
-    `options.on_shard(pool, shard index)` is called after each finished shard (tests use it to kill
-    an actor mid-job). Returns "done", "drained" or "stopped"."""
+    shards finish. `requests` is read lazily, a shard when an actor is free for it (a list,
+    or an iterable with `total`, about how many it holds, for the shard size); a shard is
+    held only until its results are written. `control()` as for generate ("drain": no new
+    shards; "stop": return now). `options.on_shard(pool, shard index)` is called after each
+    finished shard (tests use it to kill an actor mid-job). Returns "done", "drained" or
+    "stopped"."""
     ray = import_ray()
     if not ray.is_initialized():
         ray.init(address=options.address, ignore_reinit_error=True, log_to_driver=False,
                  runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     workers = _workers(ray, device == "cuda", options)
-    n = len(requests)
+    n = len(requests) if isinstance(requests, Sized) else (total or 0)
     size = options.shard_size or max(1, math.ceil(n / (4 * workers)))
-    shards = [requests[i:i + size] for i in range(0, n, size)]
+    source = iter(requests)
+    shards: dict[int, list[GenRequest]] = {}  # read and not yet written
+    retry: list[int] = []  # a stack of shards to run again, taken before new ones
+    counter = itertools.count()  # shard indices, in input order
+
+    def take() -> int | None:
+        """The next shard to run: one to retry, else the next `size` requests, else None."""
+        if retry:
+            return retry.pop()
+        chunk = list(itertools.islice(source, size))
+        if not chunk:
+            return None
+        s = next(counter)
+        shards[s] = chunk
+        return s
+
     plan_path = getattr(job, "plan_path", None)  # its quantized weights, if any, lie beside it
     pool = _Pool(ray, plan, str(model_dir), device, max_batch, workers, options,
                  None if plan_path is None else str(Path(plan_path).resolve()))
-    todo = list(range(len(shards)))[::-1]  # a stack: pop() takes the lowest index
     inflight: dict[Any, tuple[int, Any]] = pool.inflight  # future -> (shard, actor)
     retried: set[int] = set()
     try:
-        while todo or inflight:
+        while True:
             mode = control()
             if mode == "stop":
                 return "stopped"
             if mode == "run":
                 for actor in pool.idle():
-                    if not todo:
+                    s = take()
+                    if s is None:
                         break
-                    s = todo.pop()
                     inflight[actor.run.remote([asdict(r) for r in shards[s]])] = (s, actor)
             if not inflight:
                 break
@@ -122,20 +153,23 @@ def run_on_ray(job: Any, requests: list[GenRequest], plan: dict[str, Any], model
                     out = ray.get(fut)
                 except ray.exceptions.RayActorError:  # the actor died (ActorDiedError is one)
                     pool.replace(actor)  # lost with its actor: nothing of it was written
-                    todo.append(s)
+                    retry.append(s)
                     continue
                 except ray.exceptions.RayTaskError as e:
                     if s not in retried:
                         retried.add(s)
-                        todo.append(s)
+                        retry.append(s)
                         continue
-                    for r in shards[s]:
+                    for r in shards.pop(s):
                         job.failed(r, f"worker error: {e.cause if hasattr(e, 'cause') else e}")
                     continue
-                _write_shard(job, out, shards[s], len(inflight))
+                _write_shard(job, out, shards.pop(s), len(inflight))
                 if options.on_shard is not None:
                     options.on_shard(pool, s)
-        return "drained" if todo else "done"
+        if retry:
+            return "drained"
+        nxt = next(source, None)  # drained with requests left to read, or done
+        return "done" if nxt is None else "drained"
     finally:
         pool.close()
 
@@ -148,11 +182,22 @@ def _workers(ray: Any, cuda: bool, options: RayOptions) -> int:
     return max(1, int(res.get("GPU", 0)) if cuda else int(res.get("CPU", 1)) // max(1, options.cpus_per_worker))
 
 
+def _plain_result(r: GenResult) -> dict[str, Any]:
+    """A result as plain data for the trip back from the actor (its choices apart)."""
+    return {"key": r.key, "prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+            "logprobs": r.logprobs}
+
+
+def _gen_result(res: dict[str, Any]) -> GenResult:
+    """The GenResult of `_plain_result`'s data, with its choices."""
+    return GenResult(res["key"], res["prompt_ids"], res["token_ids"], res["finish_reason"],
+                     logprobs=res.get("logprobs"), choices=[_gen_result(c) for c in res.get("choices", [])])
+
+
 def _write_shard(job: Any, out: dict[str, Any], shard: list[GenRequest], inflight: int) -> None:
     """A finished shard's results and errors, written through `job` (exec.Job)."""
     for res in out["results"]:
-        job.finished(GenResult(res["key"], res["prompt_ids"], res["token_ids"], res["finish_reason"],
-                               logprobs=res.get("logprobs")))
+        job.finished(_gen_result(res))
     by_key = {r.key: r for r in shard}
     for key, message in out["errors"]:
         job.failed(by_key[key], message)

@@ -22,9 +22,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 import torch
 
@@ -32,10 +32,11 @@ from moecc_runtime.engine import Engine, generate
 from moecc_runtime.job.lock import JobFiles, check_distinct, open_job_files
 from moecc_runtime.job.progress import Progress
 from moecc_runtime.job.requests import Request, RequestError, iter_identified
-from moecc_runtime.job.results import (Done, InputKeys, ResultWriter, TokenLogprob, error_key, plan_identity,
-                                      resume_scan)
+from moecc_runtime.job.results import (Completion, Done, InputKeys, ResultWriter, TokenLogprob, error_key,
+                                      plan_identity, resume_scan)
 from moecc_runtime.plan import PlanError, check_checkpoint, load_plan
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult
+from moecc_runtime.structured import GrammarCompiler
 from moecc_runtime.tokenizer import Tokenizer
 from moecc_runtime.worker.worker import refuse_unbudgeted_cuda
 
@@ -136,6 +137,7 @@ def run_job(
     handle_signals: bool = False,
     ray: Any = None,
     replan: Callable[[dict[str, Any], Path, torch.device], dict[str, Any] | None] | None = None,
+    share_prefixes: bool = True,
 ) -> JobSummary:
     """Run every request of `prompts_path` through the plan, writing results to `output` (a
     stream, or a path: appended to with `resume`, else replaced) as they finish, in `fmt`
@@ -148,7 +150,9 @@ def run_job(
     `replan(plan, checkpoint dir, device)`: asked (for a local run) before anything is opened;
     a plan it returns runs instead of the file's (the CLI's recompiles a plan without a device
     arena for a CUDA device: moecc/replan.py); the job's identity stays the file's. On CUDA a
-    plan without a device arena is refused (PlanError: compile it with --gpu-mem)."""
+    plan without a device arena is refused (PlanError: compile it with --gpu-mem).
+    `share_prefixes`: KV blocks of prompt prefixes an earlier request computed are shared
+    (False: every prompt is computed whole)."""
     wall0 = time.perf_counter()
     plan = load_plan(plan_path)
     mdir = check_checkpoint(plan, model_dir, plan_path)
@@ -189,7 +193,8 @@ def run_job(
     writer = ResultWriter(out_file, files.err, fmt, plan=summary.plan,  # type: ignore[arg-type]
                           model=Path(str(plan["model"]["dir"])).name)
     try:
-        job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens, plan_path=plan_path)
+        job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens, plan_path=plan_path,
+                  share_prefixes=share_prefixes)
         runner = _run if ray is None else _run_ray
         return runner(job, mdir, wall0, device=device, max_batch=max_batch, stats_path=stats_path,
                       progress=progress, handle_signals=handle_signals, **({} if ray is None else {"options": ray}))
@@ -223,7 +228,7 @@ def _resume(files: JobFiles, prompts_path: str | Path, max_tokens: int, summary:
     another job wrote the files."""
     assert files.output is not None
     inputs = InputKeys.of((item.custom_id, request) for item, request in iter_identified(prompts_path, max_tokens))
-    done = resume_scan(files.output, files.errors, summary.plan, inputs)
+    done = _Resumed.of(resume_scan(files.output, files.errors, summary.plan, inputs), inputs)
     files.reopen()
     summary.repaired, summary.changed, summary.retried = done.repaired, done.changed, done.retried
     summary.corrupt = [f"{path}:{line}: {why}" for path, line, why in done.corrupt]
@@ -243,6 +248,35 @@ def _resume(files: JobFiles, prompts_path: str | Path, max_tokens: int, summary:
     return done
 
 
+@dataclass
+class _Resumed(Done):
+    """`Done` with the number of input lines a resumed job will skip (`standing`: a result or
+    error of the same request stands), counted once from what resume already read, so the
+    progress total and an interrupted run's summary need no second pass over the input."""
+
+    standing: int = 0
+
+    @classmethod
+    def of(cls, done: Done, inputs: InputKeys) -> "_Resumed":
+        # Job.read's skip rule per line: its error_key among the errors that stand, or (a valid
+        # line: the first of its custom_id) its result standing with the same request hash
+        standing = len(inputs.keys & done.errors) + sum(
+            1 for cid, request in done.results.items()
+            if inputs.first.get(cid) == request and error_key(cid, request) not in done.errors)
+        return cls(**{f.name: getattr(done, f.name) for f in fields(done)}, standing=standing)
+
+
+def count_request_lines(path: str | Path, chunk: int = 1 << 20) -> int:
+    """The lines of a prompts file that hold a request (or a bad line): the non-blank ones, as
+    requests.iter_request_lines counts them (a UTF-8 BOM before line 1 ignored). One buffered
+    pass over the bytes, holding one line at a time: about 0.1 s per 100 MB."""
+    with open(path, "rb", buffering=chunk) as f:
+        first = f.readline()
+        if first.startswith(b"\xef\xbb\xbf"):
+            first = first[3:]
+        return int(bool(first.strip())) + sum(map(bool, map(bytes.strip, f)))
+
+
 class Job:
     """The bookkeeping a job shares between the local runner and the Ray one: reading and
     validating its requests (skipping what a resumed job already did), writing results and
@@ -250,22 +284,31 @@ class Job:
 
     def __init__(self, plan: dict[str, Any], prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
                  summary: JobSummary, done: Done, log: IO[str] | None, max_tokens: int,
-                 plan_path: str | Path | None = None):
+                 plan_path: str | Path | None = None, share_prefixes: bool = True):
         self.plan, self.prompts_path, self.writer, self.tok = plan, prompts_path, writer, tok
+        self.share_prefixes = share_prefixes  # the engine shares KV blocks of common prompt prefixes
+        self._grammars: GrammarCompiler | None = None  # built when the first response_format is read
         self.plan_path = plan_path  # where the plan was read (its quantized weights, if any, are beside it)
         self.summary, self.done, self.log, self.max_tokens = summary, done, log, max_tokens
         self.apis: dict[str, tuple[str, str | None, tuple[str, ...]]] = {}  # custom_id -> (api, model, stop)
         self.lines: dict[str, int] = {}  # custom_id -> input line
         self.requests: dict[str, str] = {}  # custom_id -> request hash (results.py's identity)
+        # (the three above hold only requests read and not yet finished or failed: see forget)
         self.prog: Progress | None = None
+        self.lines_total: int | None = None  # the input's request lines (start_progress counts them)
+        self.read_all = False  # read() reached the end of the input
 
-    def read(self) -> list[GenRequest]:
-        """The requests still to run, encoded; bad lines and unencodable prompts fail here.
-        Skipped (a resumed job): a request whose result stands with the same request hash,
-        and a line whose error stands under the same error_key (custom_id, request hash)."""
+    def read(self) -> Iterator[GenRequest]:
+        """The requests still to run, encoded, read lazily from the file as the runner pulls
+        them (a million-line file is never held whole); bad lines and unencodable prompts
+        fail alone as they are reached (their error record written at once). Skipped (a
+        resumed job): a request whose result stands with the same request hash, and a line
+        whose error stands under the same error_key (custom_id, request hash). Each request
+        yielded has its bookkeeping (line, request hash, api) here until `forget` drops it
+        (on_finish / on_error do, after writing it). Custom_ids yielded are unique: a repeated
+        one is a bad line (requests.iter_request_lines)."""
         context = int(self.plan["model"]["info"]["max_position_embeddings"])
         vocab = int(self.plan["model"]["info"]["vocab_size"])
-        out: list[GenRequest] = []
         for item, request in iter_identified(self.prompts_path, self.max_tokens):
             self.summary.requests += 1
             if isinstance(item, RequestError):
@@ -279,23 +322,62 @@ class Job:
                 self.summary.skipped += 1
                 continue
             try:
-                out.append(_encode(item, self.tok, context, self.max_tokens, vocab))
-                self.lines[item.custom_id] = item.line
-                self.requests[item.custom_id] = request
-                self.apis[item.custom_id] = (item.api, item.model, item.stop)
+                gen = _encode(item, self.tok, context, self.max_tokens, vocab,
+                              self.grammars if item.response_format is not None else None)
             except ValueError as e:
-                field_ = "prompt" if item.prompt is not None else "messages"
+                field_ = getattr(e, "field", None) or ("prompt" if item.prompt is not None else "messages")
                 if item.api != "simple":
                     field_ = "body." + field_
                 rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": field_, "message": str(e)}}
                 self.fail(rec, f"{self.prompts_path}:{item.line}: {e}", request, item.api)
-        return out
+                continue
+            self.lines[item.custom_id] = item.line
+            self.requests[item.custom_id] = request
+            self.apis[item.custom_id] = (item.api, item.model, item.stop)
+            if self.prog is not None:
+                self.prog.expect(gen.max_tokens)
+            yield gen
+        self.read_all = True
+        if self.prog is not None:  # the exact figure, now that every line was read
+            self.prog.set_total(self.summary.requests - self.summary.skipped)
 
-    def start_progress(self, requests: list[GenRequest], mode: str) -> Progress:
-        expected = sum(r.max_tokens for r in requests) / max(1, len(requests))
-        self.prog = Progress(len(requests), expected, self.plan.get("predicted", {}).get("job_tokens_per_s"),
+    def start_progress(self, mode: str) -> Progress:
+        """The progress display, before the first request is read: its total is the input's
+        request lines (a byte scan, count_request_lines) less those a resumed job skips; the
+        tokens per request for the ETA start at the default max_tokens and follow the running
+        mean of the requests read (Progress.expect)."""
+        self.lines_total = count_request_lines(self.prompts_path)
+        total = max(0, self.lines_total - int(getattr(self.done, "standing", 0)))
+        self.prog = Progress(total, float(self.max_tokens), self.plan.get("predicted", {}).get("job_tokens_per_s"),
                              mode=mode, stream=self.log or sys.stderr)
         return self.prog
+
+    def forget(self, key: str) -> None:
+        """Drop a finished (or failed) request's bookkeeping, so it never grows with the file."""
+        self.lines.pop(key, None)
+        self.requests.pop(key, None)
+        self.apis.pop(key, None)
+
+    def on_finish(self, r: GenResult) -> None:
+        """generate's on_finish (once per request, all its completions in `r`): `finished`,
+        then the request's bookkeeping dropped."""
+        self.finished(r)
+        self.forget(r.key)
+
+    def on_error(self, r: GenRequest, message: str) -> None:
+        """generate's on_error: `failed`, then the request's bookkeeping dropped."""
+        self.failed(r, message)
+        self.forget(r.key)
+
+    def settle_counts(self) -> None:
+        """An interrupted run did not read the whole input: count its unread request lines
+        (`requests`) and, for a resumed job, the skips among them (`skipped`), as a run that
+        read everything first counts them. Unread bad lines are not failed here: like the
+        unread requests they are not run (a resumed job reaches them)."""
+        if self.read_all or self.lines_total is None:
+            return
+        self.summary.requests = max(self.summary.requests, self.lines_total)
+        self.summary.skipped = max(self.summary.skipped, int(getattr(self.done, "standing", 0)))
 
     def fail(self, record: dict[str, Any], text: str, request: str, api: str = "simple") -> None:
         """A failed request: counted, on the log, and its error record (with the request
@@ -312,21 +394,36 @@ class Job:
             self.prog.request(False)
 
     def finished(self, r: GenResult) -> None:
-        """Write a finished request's result (its text cut at the first stop string)."""
+        """Write a finished request's result, each completion's text cut at its first stop string."""
         api, model, stop = self.apis[r.key]
-        text = self.tok.output_text(r.token_ids, stop)
         self.summary.succeeded += 1
         self.summary.prompt_tokens += len(r.prompt_ids)
-        self.summary.completion_tokens += len(r.token_ids)
-        lps = None
-        if r.logprobs is not None:
-            ts = self.tok.token_str
-            lps = [TokenLogprob(t, ts(t), lp, [(i, ts(i), v) for i, v in top])
-                   for t, (lp, top) in zip(r.token_ids, r.logprobs)]
-        self.writer.result(r.key, api, text, r.token_ids, r.finish_reason, len(r.prompt_ids), model,
-                           request=self.requests[r.key], logprobs=lps)
+        completions = [Completion(self.tok.output_text(c.token_ids, stop), c.token_ids, c.finish_reason,
+                                  self._logprobs(c)) for c in r.completions]
+        self.summary.completion_tokens += sum(len(c.token_ids) for c in completions)
+        self.writer.result(r.key, api, completions, len(r.prompt_ids), model, request=self.requests[r.key])
         if self.prog is not None:
-            self.prog.request(True, len(r.token_ids))
+            self.prog.request(True, sum(len(c.token_ids) for c in completions))
+
+    def _logprobs(self, c: GenResult) -> list[TokenLogprob] | None:
+        if c.logprobs is None:
+            return None
+        ts = self.tok.token_str
+        return [TokenLogprob(t, ts(t), lp, [(i, ts(i), v) for i, v in top])
+                for t, (lp, top) in zip(c.token_ids, c.logprobs)]
+
+    def grammar(self, req: GenRequest) -> Any:
+        """A fresh grammar matcher for a request with a response_format (generate's `grammar`)."""
+        assert req.response_format is not None
+        return self.grammars.matcher(req.response_format)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The job's structured-output grammars (built on first use, once)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tok, int(self.plan["model"]["info"]["vocab_size"]),
+                                             eos_ids=[int(t) for t in self.plan["model"]["info"]["eos_token_ids"]])
+        return self._grammars
 
     def failed(self, r: GenRequest, message: str) -> None:
         """A request the engine could not run (it needs more KV than the whole pool)."""
@@ -361,19 +458,23 @@ class Job:
 
 def _run(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batch: int | None,
          stats_path: str | Path | None, progress: str, handle_signals: bool) -> JobSummary:
-    """Run `job` here, on one device."""
+    """Run `job` here, on one device. The requests are read as the scheduler admits them
+    (Job.read), so the first results come while the input is still being read."""
+    prog = job.start_progress(progress)
     requests = job.read()
-    prog = job.start_progress(requests, progress)
     signals = _Signals(job.log, handle_signals)
     start = time.perf_counter()
     engine = Engine(job.plan, mdir, pick_device(device), record_steps=stats_path is not None,
-                    plan_path=job.plan_path)
+                    plan_path=job.plan_path, share_prefixes=job.share_prefixes)
 
     outcome = None
     try:
-        outcome = generate(engine, requests, job.finished, max_batch=max_batch, on_error=job.failed,
-                           stop_check=job.tok.stop_check, control=lambda: job.control(signals), on_step=prog.step)
+        outcome = generate(engine, requests, job.on_finish, max_batch=max_batch, on_error=job.on_error,
+                           stop_check=job.tok.stop_check, control=lambda: job.control(signals), on_step=prog.step,
+                           grammar=job.grammar)
     finally:
+        requests.close()  # an interrupted run: the input file is closed now
+        job.settle_counts()
         stats = asdict(engine.stats)
         stats["overlap_efficiency"] = engine.stats.overlap_efficiency
         try:
@@ -388,22 +489,48 @@ def _run_ray(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batc
     """Run `job` on a pool of Ray actors (job/distributed.py); the bookkeeping stays here."""
     from moecc_runtime.job.distributed import run_on_ray
 
-    requests = job.read()
-    job.start_progress(requests, progress)
+    prog = job.start_progress(progress)
+    requests = job.read()  # read lazily, a shard at a time (run_on_ray)
     signals = _Signals(job.log, handle_signals)
     start = time.perf_counter()
     dev = pick_device(device).type
     outcome = None
     try:
-        outcome = run_on_ray(job, requests, job.plan, mdir, device=dev, max_batch=max_batch, options=options,
-                             control=lambda: job.control(signals))
+        outcome = run_on_ray(_Forgetful(job), requests, job.plan, mdir, device=dev, max_batch=max_batch,
+                             options=options, control=lambda: job.control(signals), total=prog.total)
     finally:
+        requests.close()
+        job.settle_counts()
         job.end(outcome, signals, start, wall0, {"ray": {"address": options.address, "workers": options.workers}},
                 stats_path)
     return job.summary
 
 
-def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab: int) -> GenRequest:
+class _Forgetful:
+    """`job` as run_on_ray sees it: its finished / failed drop the request's bookkeeping after
+    writing it (Job.on_finish / on_error); everything else is the job's."""
+
+    def __init__(self, job: Job):
+        self._job = job
+        self.finished, self.failed = job.on_finish, job.on_error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._job, name)
+
+
+class EncodeError(ValueError):
+    """A request that parsed but cannot run, naming its field (relative to the body)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab: int,
+            grammars: GrammarCompiler | None = None) -> GenRequest:
+    """The GenRequest of a validated request: its prompt tokenized and checked against the
+    model (context, vocabulary), its response_format's grammar built (`grammars`: needed when
+    it has one). Raises ValueError (EncodeError naming the field when not the prompt)."""
     least = tok.min_tokens(req)  # checked before tokenizing: a huge line fails fast and small
     if least >= context:
         raise ValueError(f"prompt is at least {least} tokens (judged from its length, before tokenizing), "
@@ -419,7 +546,15 @@ def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab:
                          f"shorten it to at most {context - 1} tokens")
     bad = next((t for t, _ in req.logit_bias if t >= vocab), None)
     if bad is not None:
-        raise ValueError(f"logit_bias names token id {bad}, outside the model's vocabulary of {vocab}")
+        raise EncodeError("logit_bias", f"logit_bias names token id {bad}, outside the model's vocabulary of {vocab}")
+    if req.response_format is not None:
+        assert grammars is not None, "a request with a response_format needs the job's grammars"
+        try:
+            grammars.check(req.response_format)
+        except ValueError as e:
+            kind = req.response_format[0]
+            raise EncodeError("response_format.json_schema.schema" if kind == "json_schema" else "response_format",
+                              str(e)) from None
     max_new = min(req.max_tokens or default_max, context - len(ids))
     return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop,
                       req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.logit_bias,

@@ -5,7 +5,8 @@ The ETA starts from the plan's predicted job rate (tokens/s) and moves to the me
 as the run goes: rate = (predicted * PRIOR_S + measured * elapsed) / (PRIOR_S + elapsed),
 so after PRIOR_S seconds measurement weighs as much as the prediction, and soon dominates.
 Remaining work is the unfinished requests times the tokens a finished request took on
-average (before any finished: their mean max_tokens).
+average (before any finished: the running mean max_tokens of the requests read so far, as
+`expect` reports them: a job reads its input as it runs, never holding the whole list).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def _clock(seconds: float | None) -> str:
 class Progress:
     def __init__(self, total: int, expected_tokens: float, predicted_rate: float | None, *,
                  mode: str = "auto", stream: IO[str] | None = None, interval: float = 10.0):
-        """total: requests to run; expected_tokens: their mean max_tokens; predicted_rate:
+        """total: requests to run; expected_tokens: their mean max_tokens (a prior, see
+        expect); predicted_rate:
         the plan's job tokens/s; mode: "auto" (rich on a terminal, else plain), "rich",
         "plain" or "quiet"."""
         self.stream = stream or sys.stderr
@@ -35,6 +37,7 @@ class Progress:
             mode = "rich" if getattr(self.stream, "isatty", lambda: False)() else "plain"
         self.mode = mode
         self.total, self.expected = total, max(1.0, expected_tokens)
+        self._expect_n, self._expect_sum = 0, 0  # max_tokens of the requests read so far (expect)
         self.predicted = predicted_rate if predicted_rate and predicted_rate > 0 else None
         self.interval = interval
         self.ok = self.failed = self.tokens = self.finished_tokens = self.inflight = 0
@@ -61,6 +64,20 @@ class Progress:
         else:
             self.failed += 1
         self._show()
+
+    def expect(self, max_tokens: int) -> None:
+        """One more request read: its max_tokens joins the running mean the ETA uses before
+        any request finished (the constructor's `expected_tokens` until the first)."""
+        self._expect_n += 1
+        self._expect_sum += max_tokens
+        self.expected = max(1.0, self._expect_sum / self._expect_n)
+
+    def set_total(self, total: int) -> None:
+        """The requests to run, when it is known better than at the start (the input read)."""
+        if total != self.total:
+            self.total = total
+            if self.mode == "rich" and self._live is not None:
+                self._rich.update(self._task, total=max(1, total))
 
     def log(self, text: str) -> None:
         """A message line (an error record, a warning) printed above the live display."""

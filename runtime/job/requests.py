@@ -43,7 +43,8 @@ PENALTY_FIELDS: tuple[str, ...] = ("presence_penalty", "frequency_penalty", "rep
                                    "min_tokens")
 KNOWN_FIELDS: tuple[str, ...] = (
     "custom_id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-) + PENALTY_FIELDS + ("logprobs", "top_logprobs", "response_format")
+) + PENALTY_FIELDS + ("logprobs", "top_logprobs", "response_format", "n")
+MAX_N = 128  # completions per request, as OpenAI's chat completions allow
 MAX_TOP_LOGPROBS = 20  # chat completions' (and simple lines') top_logprobs: 0..20, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's logprobs: 0..5
 #: OpenAI Batch API lines: these top-level fields, and a body with these parameters
@@ -57,8 +58,6 @@ _NEUTRAL: dict[str, tuple[Callable[[object], bool], str, str]] = {
     "stream": (lambda v: v is None or v is False, "false",
                "streaming is not supported by moecc (a batch job writes whole results)"),
     "stream_options": (lambda v: v is None, "null", "streaming is not supported by moecc"),
-    "n": (lambda v: v is None or (type(v) is int and v == 1), "1",
-          "n > 1 (several completions per request) is not supported yet"),
     "echo": (lambda v: v is None or v is False, "false", "echo is not supported yet"),
     "best_of": (lambda v: v is None or (type(v) is int and v == 1), "1", "best_of > 1 is not supported yet"),
     "suffix": (lambda v: v is None, "null", "suffix (insertion) is not supported yet"),
@@ -70,7 +69,7 @@ _REFUSED: dict[str, str] = {
     "functions": "function calling is not supported by moecc",
     "function_call": "function calling is not supported by moecc",
 }
-_BODY_SAMPLING: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") + PENALTY_FIELDS
+_BODY_SAMPLING: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n") + PENALTY_FIELDS
 BODY_FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("model", "messages", "max_completion_tokens", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS,
              *(k for k in _NEUTRAL if k not in ("echo", "best_of", "suffix")), "logprobs", "top_logprobs",
@@ -81,7 +80,7 @@ BODY_FIELDS: dict[str, tuple[str, ...]] = {
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
 _MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
 _NOT_YET_SUPPORTED = frozenset({"stream", "tools", "tool_choice", "functions",
-                                "echo", "best_of", "suffix", "n"})
+                                "echo", "best_of", "suffix"})
 #: response_format types: "text" (free text), "json_object" (any JSON object), "json_schema" (OpenAI's
 #: structured outputs: {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}})
 RESPONSE_FORMAT_TYPES: tuple[str, ...] = ("text", "json_object", "json_schema")
@@ -353,7 +352,7 @@ def _check_response_format(value: object, field: str) -> tuple[str, str] | None:
 
 
 def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
-    """max_tokens, temperature, top_p, top_k, seed, stop and the penalties of a simple line or a
+    """max_tokens, temperature, top_p, top_k, seed, stop, n and the penalties of a simple line or a
     Batch API body (where, as in vLLM, top_k -1 also means off)."""
     out: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty"):
@@ -368,6 +367,8 @@ def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
     if obj.get("min_tokens") is not None:
         out["min_tokens"] = _check_int(obj["min_tokens"], prefix + "min_tokens", lo=0, hi=None,
                                        expected="an integer >= 0")
+    if obj.get("n") is not None:
+        out["n"] = _check_int(obj["n"], prefix + "n", lo=1, hi=MAX_N + 1, expected=f"an integer in [1, {MAX_N}]")
     if "max_tokens" in obj:
         out["max_tokens"] = _check_int(obj["max_tokens"], prefix + "max_tokens", lo=1, hi=None,
                                        expected="an integer >= 1")
