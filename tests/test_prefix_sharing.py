@@ -136,8 +136,8 @@ def mixtral(checkpoints, hf_models):  # noqa: F811
     return path, model, plan, [system + q for q in questions]
 
 
-def _run(plan, path, reqs, *, share=True, kv_blocks=None, block_size=4, max_batch=4, eos=None):
-    engine = Engine(plan, path, "cpu", kv_blocks=kv_blocks or 256, block_size=block_size)
+def _run(plan, path, reqs, *, share=True, kv_blocks=None, block_size=4, max_batch=4, eos=None, attention=None):
+    engine = Engine(plan, path, "cpu", kv_blocks=kv_blocks or 256, block_size=block_size, attention=attention)
     engine.blocks.share_prefixes = share
     if eos is not None:
         engine.info["eos_token_ids"] = [eos]
@@ -158,21 +158,23 @@ def _run(plan, path, reqs, *, share=True, kv_blocks=None, block_size=4, max_batc
     return got, engine.blocks.reused_tokens, copies
 
 
-def test_shared_prefixes_keep_greedy_output_identical_to_transformers(mixtral):
+@pytest.mark.parametrize("attention", ["host", "device"])
+def test_shared_prefixes_keep_greedy_output_identical_to_transformers(mixtral, attention):
     path, model, plan, prompts = mixtral
     reqs = [GenRequest(f"q{i}", p, 6, min_tokens=6) for i, p in enumerate(prompts)]
-    shared, reused, _ = _run(plan, path, reqs, max_batch=2)
-    alone, none, _ = _run(plan, path, reqs, share=False, max_batch=2)
+    shared, reused, _ = _run(plan, path, reqs, max_batch=2, attention=attention)
+    alone, none, _ = _run(plan, path, reqs, share=False, max_batch=2, attention=attention)
     assert reused >= 40 * (len(reqs) - 2) // 4 * 4 and none == 0
     for r in reqs:
         ref, _ = _reference(model, r.prompt_ids, 6)
         assert shared[r.key].token_ids == alone[r.key].token_ids == ref, r.key
 
 
-def test_each_of_n_greedy_completions_is_transformers_output(mixtral):
+@pytest.mark.parametrize("attention", ["host", "device"])
+def test_each_of_n_greedy_completions_is_transformers_output(mixtral, attention):
     path, model, plan, prompts = mixtral
     reqs = [GenRequest(f"n{i}", p, 5, min_tokens=5, n=3) for i, p in enumerate(prompts[:3])]
-    got, _, copies = _run(plan, path, reqs, max_batch=9)
+    got, _, copies = _run(plan, path, reqs, max_batch=9, attention=attention)
     assert copies, "completions forked off a half-filled block copy it before writing"
     for r in reqs:
         ref, _ = _reference(model, r.prompt_ids, 5)
