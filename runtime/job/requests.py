@@ -568,13 +568,16 @@ def _decode_line(raw: bytes) -> object:
         raise RequestFieldError(None, f"malformed JSON: {exc}") from None
 
 
-def iter_request_lines(lines: Iterable[bytes], *, path: str = "<input>") -> Iterator[Request | RequestError]:
+def iter_request_lines(lines: Iterable[bytes], *, path: str = "<input>",
+                       seen: dict[str, int] | None = None) -> Iterator[Request | RequestError]:
     """Parse JSONL from an iterable of byte lines (as from a binary file), in order.
 
     Lines may end in ``\\n`` or ``\\r\\n``; blank lines are skipped; a UTF-8 BOM on
     line 1 is ignored. Never raises for bad content: bad lines yield RequestError.
+    `seen` (filled as lines are read): each readable custom_id -> the line it first came on,
+    the one record of the file kept (duplicates are found with it).
     """
-    seen: dict[str, int] = {}
+    seen = {} if seen is None else seen
     for number, raw in enumerate(lines, start=1):
         raw = raw.rstrip(b"\n").rstrip(b"\r")
         if number == 1 and raw.startswith(_UTF8_BOM):
@@ -670,16 +673,20 @@ def iter_identified(path: str | os.PathLike[str], default_max_tokens: int) -> It
                 tapped[0] = (number, raw)
                 yield raw
 
-        seen: dict[str, int] = {}
+        first: dict[str, int] = {}  # custom_id -> its first line (iter_request_lines fills it)
+        again: dict[str, int] = {}  # occurrences counted so far of repeated ids and of unreadable ones
         with open(name, "rb") as f:
-            for item in iter_request_lines(tap(f), path=name):
+            for item in iter_request_lines(tap(f), path=name, seen=first):
                 number, raw = tapped[0]
                 if number != item.line:  # iter_request_lines yields each line's item before reading on
                     raise AssertionError(f"request line {item.line} read as line {number}")
                 canonical = canonical_line(raw, first=number == 1)
-                who = item.custom_id if item.custom_id is not None else "\x00" + canonical.hex()
-                occurrence = seen.get(who, 0)
-                seen[who] = occurrence + 1
+                if item.custom_id is not None and first.get(item.custom_id) == number:
+                    occurrence = 0  # the common case: no second record per line
+                else:
+                    who = item.custom_id if item.custom_id is not None else "\x00" + canonical.hex()
+                    occurrence = again.get(who, 0 if item.custom_id is None else 1)
+                    again[who] = occurrence + 1
                 default = default_max_tokens if isinstance(item, Request) and item.max_tokens is None else None
                 yield item, request_hash(canonical, occurrence, default)
 
