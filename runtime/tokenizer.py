@@ -19,6 +19,7 @@ class Tokenizer:
             raise RuntimeError(f"{model_dir}: cannot load the tokenizer: {e}") from e
         self._max_token_chars: int | None = None
         self._token_strs: dict[int, str] = {}
+        self._anchor: tuple[int, str] | None = None  # (token id, its text): token_str decodes after it
 
     def encode_prompt(self, prompt: str) -> list[int]:
         # verbose=False: no "longer than the maximum sequence length" warning (the runtime
@@ -66,12 +67,26 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def token_str(self, token_id: int) -> str:
-        """One token's text, decoded alone (special tokens kept: an EOS shows as itself), as
-        logprobs report it."""
+        """One token's text as logprobs report it, its leading space kept (special tokens
+        kept: an EOS shows as itself). Decoded after a fixed anchor token, less the anchor's
+        text: SentencePiece decoders drop a word-initial token's space when it is decoded
+        alone ("▁the" -> "the"), but not after another token ("a the"). Where the anchor's
+        text is not a prefix of the pair's, the token decoded alone. Cached per id."""
         text = self._token_strs.get(token_id)
         if text is None:
-            text = self._token_strs[token_id] = self.tok.decode([token_id])
+            text = self._token_strs[token_id] = self._token_text(token_id)
         return text
+
+    def _token_text(self, token_id: int) -> str:
+        if self._anchor is None:
+            ids = self.tok("a", add_special_tokens=False)["input_ids"]
+            self._anchor = (ids[-1], self.tok.decode(ids[-1:])) if ids else (-1, "")
+        anchor, prefix = self._anchor
+        if anchor >= 0:
+            pair = self.tok.decode([anchor, token_id])
+            if prefix and pair.startswith(prefix):
+                return pair[len(prefix):]
+        return self.tok.decode([token_id])
 
     def stop_check(self, req: Any, generated: list[int]) -> bool:
         """Whether the text of `generated` holds one of the request's stop strings

@@ -196,3 +196,25 @@ def test_moecc_format_logprobs_and_untouched_lines(tiny, tmp_path):
             if n:
                 assert e["top"][0] == [e["token_id"], e["logprob"]]
                 assert e["top"][0][1] >= e["top"][1][1]
+
+
+def test_token_text_keeps_a_sentencepiece_tokens_leading_space(tmp_path):
+    """A SentencePiece ("▁the") token decoded alone loses its space; logprobs' token text
+    keeps it, so the tokens' texts join into the completion's text."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from moecc_runtime.tokenizer import Tokenizer
+
+    raw = RawTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    raw.train_from_iterator([" ".join(PROMPTS)] * 20, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    tok = Tokenizer(tmp_path)
+    ids = tok.tok("the wheel turns", add_special_tokens=False)["input_ids"]
+    assert [tok.tok.decode([i]) for i in ids][1:] != [tok.token_str(i) for i in ids][1:]  # alone: no space
+    assert "".join(tok.token_str(i) for i in ids) == " the wheel turns"
+    assert tok.token_str(tok.tok.eos_token_id) == "</s>"
