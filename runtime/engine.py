@@ -24,6 +24,7 @@ from moecc_runtime.sampling import SamplingError, choose, request_generator
 from moecc_runtime.scheduler.blocks import BlockAllocator
 from moecc_runtime.scheduler.scheduler import DEFAULT_PREFILL_TOKENS, Scheduler
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult, LogprobEntry, Sequence
+from moecc_runtime.scheduler.step_plan import StepPlan
 from moecc_runtime.worker.stats import EngineStats
 from moecc_runtime.worker.worker import Worker
 
@@ -103,8 +104,9 @@ def generate(
         sched.rejected.clear()
         if plan is None:
             continue
-        logits = engine.worker.execute(plan).logits  # [S', V]
+        logits = _score_prompts(plan, sched, engine.worker.execute(plan).logits)  # [S', V]
         finishing, logits = _fork(sched, sched.advance(plan), logits)
+        finishing, logits = _end_unsampled(sched, finishing, logits, out)
         chosen, entries = _sample(finishing, logits, eos, grammar)
         for i, (s, row, tok) in enumerate(zip(finishing, logits, chosen)):
             if isinstance(tok, SamplingError):  # this request fails alone
@@ -122,11 +124,72 @@ def generate(
             if reason is not None:
                 sched.retire(s)
                 req = _request(s)
-                out.finish(s, GenResult(req.key, req.prompt_ids, s.generated, reason, s.logits,
-                                        s.logprobs if req.logprobs is not None else None))
+                out.finish(s, _result(s, reason))
         if on_step is not None:
             on_step(len(finishing), len(sched.running))
     return "drained" if sched.queue else "done"
+
+
+def _result(s: Sequence, reason: str) -> GenResult:
+    req = _request(s)
+    return GenResult(req.key, req.prompt_ids, s.generated, reason, s.logits,
+                     s.logprobs if req.logprobs is not None else None,
+                     prompt_logprobs=s.prompt_logprobs if req.prompt_logprobs is not None else None)
+
+
+def _score_prompts(plan: StepPlan, sched: Scheduler, logits: torch.Tensor) -> torch.Tensor:
+    """The step's head rows [R, V] -> the finishing chunks' last rows [S', V]; on the way, each
+    scoring chunk's rows give its prompt tokens' logprobs (row j of a chunk at `start`: the
+    token at position start + j + 1), recorded once per position (a recomputed chunk adds none)."""
+    if not any(c.score for c in plan.seqs):
+        return logits
+    by_sid = {s.sid: s for s in sched.running}
+    keep, score = [], []  # head row indexes: finishing rows; (row, sequence, position) to record
+    r = 0
+    for c in plan.seqs:
+        if c.score:
+            s = by_sid[c.sid]
+            s.prompt_logprobs[:1] = s.prompt_logprobs[:1] or [None]  # the first token: nothing before it
+            score += [(r + j, s, c.start + j + 1) for j in range(c.n) if c.start + j + 1 < s.prompt_len]
+            r += c.n
+            if c.finishes:
+                keep.append(r - 1)
+        elif c.finishes:
+            keep.append(r)
+            r += 1
+    if score:
+        _record_prompt_logprobs(score, logits)
+    return logits[keep]
+
+
+def _record_prompt_logprobs(score: list[tuple[int, Sequence, int]], logits: torch.Tensor) -> None:
+    """For each (head row, sequence, position): the logprob of the sequence's token at that
+    position under the row's fp32 log-softmax, and its request's top N; appended when it is
+    the next position the sequence lacks. One log-softmax, one top-k, one host copy."""
+    lps = torch.log_softmax(logits[[i for i, _, _ in score]].float(), dim=-1)  # [P, V]
+    ids = torch.tensor([s.tokens[p] for _, s, p in score], dtype=torch.long, device=lps.device)
+    tops = [_request(s).prompt_logprobs or 0 for _, s, _ in score]
+    k = min(max(tops), lps.shape[-1])
+    picked = lps.gather(1, ids[:, None])[:, 0].tolist()
+    top_v, top_i = (lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for n, (_, s, p) in enumerate(score):
+        if p == len(s.prompt_logprobs):
+            s.prompt_logprobs.append((picked[n], list(zip(top_i[n][:tops[n]], top_v[n][:tops[n]]))))
+
+
+def _end_unsampled(sched: Scheduler, finishing: list[Sequence], logits: torch.Tensor,
+                   out: "_Choices") -> tuple[list[Sequence], torch.Tensor]:
+    """Sequences asked for no new token (max_tokens 0: an echoed prompt, scored) end here,
+    with "length"; the others and their logits rows go on."""
+    ended = [i for i, s in enumerate(finishing) if s.max_new == 0]
+    if not ended:
+        return finishing, logits
+    for i in ended:
+        sched.retire(finishing[i])
+        out.finish(finishing[i], _result(finishing[i], "length"))
+    rest = [i for i in range(len(finishing)) if finishing[i].max_new != 0]
+    return [finishing[i] for i in rest], logits[rest]
 
 
 def _fork(sched: Scheduler, finishing: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
@@ -197,7 +260,8 @@ class _Choices:
             del self.parts[r.key]
             first = got[0]
             self.on_finish(GenResult(first.key, first.prompt_ids, first.token_ids, first.finish_reason,
-                                     first.logits, first.logprobs, [got[j] for j in range(n)]))
+                                     first.logits, first.logprobs, [got[j] for j in range(n)],
+                                     first.prompt_logprobs))
 
     def fail(self, req: GenRequest, message: str, error: Exception) -> None:
         if req.key in self.failed:

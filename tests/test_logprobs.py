@@ -218,3 +218,74 @@ def test_token_text_keeps_a_sentencepiece_tokens_leading_space(tmp_path):
     assert [tok.tok.decode([i]) for i in ids][1:] != [tok.token_str(i) for i in ids][1:]  # alone: no space
     assert "".join(tok.token_str(i) for i in ids) == " the wheel turns"
     assert tok.token_str(tok.tok.eos_token_id) == "</s>"
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_transformers_scores_it(tiny, tmp_path):
+    """/v1/completions with echo: the text is the prompt then the completion; with logprobs, the
+    prompt's tokens come first, the first one null, each other the fp32 log-softmax of
+    transformers' logits at the position before it (within 1e-4); max_tokens 0 scores the
+    prompt alone (what evaluation harnesses send)."""
+    _, _, plan_path, model, tok = tiny
+    prompt = PROMPTS[1]
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)  # [L, V]
+    rows = [_cmpl("echo-lp", prompt=prompt, echo=True, logprobs=2, max_tokens=3),
+            _cmpl("echo-0", prompt=prompt, echo=True, logprobs=0, max_tokens=0),
+            _cmpl("echo-plain", prompt=prompt, echo=True, max_tokens=3), _cmpl("plain", prompt=prompt, max_tokens=3),
+            _cmpl("zero-without-echo", prompt=prompt, max_tokens=0)]
+    out, errors = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    summary = run_job(tiny[2], _write(tmp_path / "p.jsonl", rows), out, errors_path=errors, device="cpu", log=None,
+                      fmt="openai")
+    assert (summary.succeeded, summary.failed) == (4, 1)
+    assert read_jsonl(errors)[0]["response"]["body"]["error"]["param"] == "body.max_tokens"
+    from openai.types import Completion
+
+    body = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(out)}
+    for b in body.values():  # the echoed first token's null logprob (as OpenAI's API and vLLM send it, and
+        lp = b["choices"][0]["logprobs"]  # evaluation harnesses index by it) is one the openai types refuse
+        if lp is not None and lp["token_logprobs"][0] is None:
+            assert lp["top_logprobs"][0] is None
+            lp["token_logprobs"][0], lp["top_logprobs"][0] = float("nan"), {}
+    choice = {k: Completion.model_validate(b).choices[0] for k, b in body.items()}
+    assert choice["echo-plain"].text == prompt + choice["plain"].text
+    assert choice["echo-0"].text == prompt and body["echo-0"]["usage"]["completion_tokens"] == 0
+    for cid, new in (("echo-lp", 3), ("echo-0", 0)):
+        lp = choice[cid].logprobs
+        assert len(lp.tokens) == len(ids) + new
+        assert lp.token_logprobs[0] != lp.token_logprobs[0] and lp.top_logprobs[0] == {}  # null, stood in for
+        for p in range(1, len(ids)):
+            assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < 1e-4, (cid, p)
+            if cid == "echo-lp":
+                best = ref[p - 1].topk(2)
+                assert max(lp.top_logprobs[p].values()) == pytest.approx(best.values[0].item(), abs=1e-4)
+                assert 1 <= len(lp.top_logprobs[p]) <= 2  # keyed by text: two tokens of one text keep one
+    assert choice["echo-lp"].text.startswith(prompt)
+
+
+def test_prompt_logprobs_survive_chunked_prefill_and_preemption(tiny):
+    """Prompt logprobs recorded once per position, whether the prompt is prefilled in chunks
+    of 3 or recomputed after a preemption in a 10-block pool of 2 positions."""
+    from unittest import mock
+
+    from moecc_runtime.scheduler.scheduler import Scheduler
+
+    path, plan, _, model, tok = tiny
+    reqs = [GenRequest(str(i), tok(p)["input_ids"], 4, min_tokens=4, prompt_logprobs=1) for i, p in enumerate(PROMPTS)]
+    preempted, real = [], Scheduler._preempt
+    engine = Engine(plan, path, "cpu", kv_blocks=16, block_size=2)
+    got = {}
+    try:
+        with mock.patch.object(Scheduler, "_preempt", lambda s, short: (preempted.append(1), real(s, short))):
+            generate(engine, reqs, lambda r: got.__setitem__(r.key, r), max_batch=3, max_prefill_tokens=3)
+    finally:
+        engine.close()
+    assert preempted, "the small pool must force preemption"
+    for r in reqs:
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([r.prompt_ids])).logits[0].float(), -1)
+        lps = got[r.key].prompt_logprobs
+        assert len(lps) == len(r.prompt_ids) and lps[0] is None
+        for p in range(1, len(r.prompt_ids)):
+            assert abs(lps[p][0] - ref[p - 1, r.prompt_ids[p]].item()) < 1e-4
+            assert lps[p][1][0][0] == int(ref[p - 1].argmax())

@@ -185,13 +185,14 @@ def _workers(ray: Any, cuda: bool, options: RayOptions) -> int:
 def _plain_result(r: GenResult) -> dict[str, Any]:
     """A result as plain data for the trip back from the actor (its choices apart)."""
     return {"key": r.key, "prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-            "logprobs": r.logprobs}
+            "logprobs": r.logprobs, "prompt_logprobs": r.prompt_logprobs}
 
 
 def _gen_result(res: dict[str, Any]) -> GenResult:
     """The GenResult of `_plain_result`'s data, with its choices."""
     return GenResult(res["key"], res["prompt_ids"], res["token_ids"], res["finish_reason"],
-                     logprobs=res.get("logprobs"), choices=[_gen_result(c) for c in res.get("choices", [])])
+                     logprobs=res.get("logprobs"), choices=[_gen_result(c) for c in res.get("choices", [])],
+                     prompt_logprobs=res.get("prompt_logprobs"))
 
 
 def _write_shard(job: Any, out: dict[str, Any], shard: list[GenRequest], inflight: int) -> None:

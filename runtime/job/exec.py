@@ -290,7 +290,8 @@ class Job:
         self._grammars: GrammarCompiler | None = None  # built when the first response_format is read
         self.plan_path = plan_path  # where the plan was read (its quantized weights, if any, are beside it)
         self.summary, self.done, self.log, self.max_tokens = summary, done, log, max_tokens
-        self.apis: dict[str, tuple[str, str | None, tuple[str, ...]]] = {}  # custom_id -> (api, model, stop)
+        #: custom_id -> (api, model, stop, the prompt's text when echoed)
+        self.apis: dict[str, tuple[str, str | None, tuple[str, ...], str | None]] = {}
         self.lines: dict[str, int] = {}  # custom_id -> input line
         self.requests: dict[str, str] = {}  # custom_id -> request hash (results.py's identity)
         # (the three above hold only requests read and not yet finished or failed: see forget)
@@ -333,7 +334,7 @@ class Job:
                 continue
             self.lines[item.custom_id] = item.line
             self.requests[item.custom_id] = request
-            self.apis[item.custom_id] = (item.api, item.model, item.stop)
+            self.apis[item.custom_id] = (item.api, item.model, item.stop, self._echo(item, gen))
             if self.prog is not None:
                 self.prog.expect(gen.max_tokens)
             yield gen
@@ -395,11 +396,12 @@ class Job:
 
     def finished(self, r: GenResult) -> None:
         """Write a finished request's result, each completion's text cut at its first stop string."""
-        api, model, stop = self.apis[r.key]
+        api, model, stop, echo = self.apis[r.key]
         self.summary.succeeded += 1
         self.summary.prompt_tokens += len(r.prompt_ids)
-        completions = [Completion(self.tok.output_text(c.token_ids, stop), c.token_ids, c.finish_reason,
-                                  self._logprobs(c)) for c in r.completions]
+        prompt = self._prompt_logprobs(r)
+        completions = [Completion((echo or "") + self.tok.output_text(c.token_ids, stop), c.token_ids,
+                                  c.finish_reason, _joined(prompt, self._logprobs(c))) for c in r.completions]
         self.summary.completion_tokens += sum(len(c.token_ids) for c in completions)
         self.writer.result(r.key, api, completions, len(r.prompt_ids), model, request=self.requests[r.key])
         if self.prog is not None:
@@ -411,6 +413,21 @@ class Job:
         ts = self.tok.token_str
         return [TokenLogprob(t, ts(t), lp, [(i, ts(i), v) for i, v in top])
                 for t, (lp, top) in zip(c.token_ids, c.logprobs)]
+
+    def _prompt_logprobs(self, r: GenResult) -> list[TokenLogprob] | None:
+        """An echoed prompt's tokens with their logprobs (the first one's None), when asked."""
+        if r.prompt_logprobs is None:
+            return None
+        ts = self.tok.token_str
+        return [TokenLogprob(t, ts(t), None, []) if e is None else
+                TokenLogprob(t, ts(t), e[0], [(i, ts(i), v) for i, v in e[1]])
+                for t, e in zip(r.prompt_ids, r.prompt_logprobs)]
+
+    def _echo(self, item: Request, gen: GenRequest) -> str | None:
+        """The text an echoed prompt comes back as: as given, or its token ids decoded."""
+        if not item.echo:
+            return None
+        return item.prompt if isinstance(item.prompt, str) else self.tok.decode(gen.prompt_ids)
 
     def grammar(self, req: GenRequest) -> Any:
         """A fresh grammar matcher for a request with a response_format (generate's `grammar`)."""
@@ -428,7 +445,7 @@ class Job:
     def failed(self, r: GenRequest, message: str) -> None:
         """A request the engine could not run (it needs more KV than the whole pool)."""
         line = self.lines.get(r.key)
-        api = self.apis.get(r.key, ("simple", None, ()))[0]
+        api = self.apis.get(r.key, ("simple", None, (), None))[0]
         self.fail({"custom_id": r.key, "error": {"line": line, "field": "max_tokens" if api == "simple" else
                                                  "body.max_tokens", "message": message}},
                   f"{self.prompts_path}:{line}: {message}", self.requests[r.key], api)
@@ -518,6 +535,13 @@ class _Forgetful:
         return getattr(self._job, name)
 
 
+def _joined(prompt: list[TokenLogprob] | None, completion: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+    """A choice's logprobs: the echoed prompt's (if any) before the completion's."""
+    if prompt is None:
+        return completion
+    return prompt + (completion or [])
+
+
 class EncodeError(ValueError):
     """A request that parsed but cannot run, naming its field (relative to the body)."""
 
@@ -555,7 +579,8 @@ def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab:
             kind = req.response_format[0]
             raise EncodeError("response_format.json_schema.schema" if kind == "json_schema" else "response_format",
                               str(e)) from None
-    max_new = min(req.max_tokens or default_max, context - len(ids))
+    max_new = min(default_max if req.max_tokens is None else req.max_tokens, context - len(ids))
     return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop,
                       req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.logit_bias,
-                      req.min_tokens, req.logprobs, req.n, req.response_format)
+                      req.min_tokens, req.logprobs, req.n, req.response_format,
+                      prompt_logprobs=req.logprobs if req.echo else None)

@@ -58,7 +58,6 @@ _NEUTRAL: dict[str, tuple[Callable[[object], bool], str, str]] = {
     "stream": (lambda v: v is None or v is False, "false",
                "streaming is not supported by moecc (a batch job writes whole results)"),
     "stream_options": (lambda v: v is None, "null", "streaming is not supported by moecc"),
-    "echo": (lambda v: v is None or v is False, "false", "echo is not supported yet"),
     "best_of": (lambda v: v is None or (type(v) is int and v == 1), "1", "best_of > 1 is not supported yet"),
     "suffix": (lambda v: v is None, "null", "suffix (insertion) is not supported yet"),
 }
@@ -72,15 +71,15 @@ _REFUSED: dict[str, str] = {
 _BODY_SAMPLING: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n") + PENALTY_FIELDS
 BODY_FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("model", "messages", "max_completion_tokens", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS,
-             *(k for k in _NEUTRAL if k not in ("echo", "best_of", "suffix")), "logprobs", "top_logprobs",
+             *(k for k in _NEUTRAL if k not in ("best_of", "suffix")), "logprobs", "top_logprobs",
              "response_format", *_REFUSED),
-    "completions": ("model", "prompt", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS, *_NEUTRAL, "logprobs", "top_logprobs",
+    "completions": ("model", "prompt", "echo", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS, *_NEUTRAL, "logprobs",
+                    "top_logprobs",
                     "response_format", *_REFUSED),
 }
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
 _MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
-_NOT_YET_SUPPORTED = frozenset({"stream", "tools", "tool_choice", "functions",
-                                "echo", "best_of", "suffix"})
+_NOT_YET_SUPPORTED = frozenset({"stream", "tools", "tool_choice", "functions", "best_of", "suffix"})
 #: response_format types: "text" (free text), "json_object" (any JSON object), "json_schema" (OpenAI's
 #: structured outputs: {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}})
 RESPONSE_FORMAT_TYPES: tuple[str, ...] = ("text", "json_object", "json_schema")
@@ -114,6 +113,7 @@ class Request:
     min_tokens: int = 0  # EOS (and stop strings) held off until this many tokens were generated
     logprobs: int | None = None  # None: not asked; N >= 0: each token's logprob and its N most likely
     n: int = 1  # completions (choices) asked for this prompt
+    echo: bool = False  # /v1/completions: the prompt comes back before the completion (and in its logprobs)
     #: structured output: ("json_object", "") or ("json_schema", the schema as compact JSON, key order kept); None: text
     response_format: tuple[str, str] | None = None
 
@@ -351,9 +351,18 @@ def _check_response_format(value: object, field: str) -> tuple[str, str] | None:
     return ("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
-def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
+def _check_echo(body: dict) -> bool:
+    """A completions body's `echo` (true / false / null)."""
+    value = body.get("echo")
+    if value is not None and not isinstance(value, bool):
+        raise RequestFieldError("body.echo", f"expected true or false, got {_describe(value)}")
+    return bool(value)
+
+
+def _sampling(obj: dict, prefix: str = "", max_tokens_floor: int = 1) -> dict[str, Any]:
     """max_tokens, temperature, top_p, top_k, seed, stop, n and the penalties of a simple line or a
-    Batch API body (where, as in vLLM, top_k -1 also means off)."""
+    Batch API body (where, as in vLLM, top_k -1 also means off). max_tokens may be 0 only with
+    `max_tokens_floor` 0 (completions with echo: the prompt alone, scored)."""
     out: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty"):
         if obj.get(name) is not None:
@@ -370,8 +379,8 @@ def _sampling(obj: dict, prefix: str = "") -> dict[str, Any]:
     if obj.get("n") is not None:
         out["n"] = _check_int(obj["n"], prefix + "n", lo=1, hi=MAX_N + 1, expected=f"an integer in [1, {MAX_N}]")
     if "max_tokens" in obj:
-        out["max_tokens"] = _check_int(obj["max_tokens"], prefix + "max_tokens", lo=1, hi=None,
-                                       expected="an integer >= 1")
+        out["max_tokens"] = _check_int(obj["max_tokens"], prefix + "max_tokens", lo=max_tokens_floor, hi=None,
+                                       expected=f"an integer >= {max_tokens_floor}")
     if "max_completion_tokens" in obj:
         out["max_tokens"] = _check_int(obj["max_completion_tokens"], prefix + "max_completion_tokens", lo=1,
                                        hi=None, expected="an integer >= 1")
@@ -481,8 +490,11 @@ def _parse_batch_line(obj: dict, line: int, custom_id: str) -> Request:
         prompt, messages = _prefixed("body.", lambda: _check_prompt(body["prompt"])), None
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RequestFieldError("body.max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
-    knobs = _sampling(body, "body.")
+    echo = api == "completions" and _check_echo(body)
+    knobs = _sampling(body, "body.", max_tokens_floor=0 if echo else 1)
     knobs.update(_chat_logprobs(body, "body.") if api == "chat" else _completion_logprobs(body))
+    if echo:
+        knobs["echo"] = True
     if body.get("response_format") is not None:
         knobs["response_format"] = _check_response_format(body["response_format"], "body.response_format")
     return Request(line=line, custom_id=custom_id, prompt=prompt, messages=messages, api=api, model=model, **knobs)

@@ -298,7 +298,7 @@ class TokenLogprob:
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing precedes it)
     top: list[tuple[int, str, float]]
 
 
@@ -331,19 +331,19 @@ def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def _completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    """A completions choice's `logprobs` (the legacy API's shape); text_offset counts
-    characters into the completion's text, from 0. Two top tokens with the same text keep
+    """A completions choice's `logprobs` (the legacy API's shape; with echo the prompt's tokens
+    first); text_offset counts characters into the choice's text, from 0. Two top tokens with the same text keep
     the more likely one (the legacy shape keys them by text)."""
     offsets, at = [], 0
     for e in entries:
         offsets.append(at)
         at += len(e.token)
-    tops = []
+    tops: list[dict[str, float] | None] = []
     for e in entries:
         top: dict[str, float] = {}
         for _, t, v in e.top:
             top.setdefault(t, v)
-        tops.append(top)
+        tops.append(None if e.logprob is None else top)  # an echoed prompt's first token: null, as OpenAI
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": tops, "text_offset": offsets}
 

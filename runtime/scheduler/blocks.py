@@ -107,6 +107,8 @@ class BlockAllocator:
         write); returns the (source, destination) copies the worker must make before the
         step writes. Raises KVCacheFull (changing nothing) when the pool has too few blocks."""
         shared = self._shared_from(sid, start)
+        if not shared:
+            return []
         if len(shared) > self.free_blocks:
             raise KVCacheFull(sid, len(shared), self.free_blocks, self.num_blocks)
         table, copies = self.tables[sid], []

@@ -134,7 +134,7 @@ class Scheduler:
         kids = []
         for i, gen in enumerate(generators, start=1):
             kid = Sequence(self._next_id, list(parent.tokens), parent.prompt_len, parent.max_new, parent.cached,
-                           request=req, generator=gen, choice=i)
+                           request=req, generator=gen, choice=i, prompt_logprobs=parent.prompt_logprobs)
             self._next_id += 1
             self.blocks.fork(parent.sid, kid.sid)
             kids.append(kid)
@@ -164,7 +164,7 @@ class Scheduler:
             if self.running and (need + growth > self.blocks.free_blocks or used + slots > self.limit):
                 break
             seq = self.preempted.popleft() if self.preempted else self._new_sequence(self.queue.popleft())
-            seq.cached = self.blocks.match(seq.sid, seq.tokens)
+            seq.cached = 0 if seq.scores_prompt else self.blocks.match(seq.sid, seq.tokens)  # scored: every row
             self.running.append(seq)
             used += seq.slots
             budget -= min(seq.pending, budget)
@@ -223,7 +223,7 @@ def emit_step(blocks: BlockAllocator, work: Work, new_blocks: list[int], all_row
         slot_blocks, slot_offsets = blocks.slots(s.sid, s.cached, n)
         chunks.append(SeqChunk(s.sid, s.tokens[s.cached:s.cached + n], s.cached, list(blocks.tables[s.sid]),
                                slot_blocks, slot_offsets, n > 1 or s.cached < s.prompt_len,
-                               s.cached + n == len(s.tokens)))
+                               s.cached + n == len(s.tokens), s.scores_prompt and s.cached < s.prompt_len))
     prefill, total = sum(c.n for c in chunks if c.prefill), sum(c.n for c in chunks)
     return StepPlan(chunks, "prefill" if 2 * prefill > total else "decode", new_blocks, blocks.usage(), all_rows,
                     copies)

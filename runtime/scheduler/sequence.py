@@ -28,6 +28,7 @@ class GenRequest:
     n: int = 1  # completions (choices) of this prompt: they share its KV blocks
     #: structured output: ("json_object", "") or ("json_schema", the schema as canonical JSON); None: free text
     response_format: tuple[str, str] | None = None
+    prompt_logprobs: int | None = None  # N >= 0: each prompt token's logprob and its N most likely (echo)
 
 
 #: one generated token's logprob entry: (its logprob, [(token id, logprob), ...] the top N, best first)
@@ -44,6 +45,8 @@ class GenResult:
     logprobs: list[LogprobEntry] | None = None  # per generated token, when the request asked
     #: a request with n > 1: every completion, in order (the fields above are the first one's); else empty
     choices: list["GenResult"] = field(default_factory=list)
+    #: asked (GenRequest.prompt_logprobs): per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[LogprobEntry | None] | None = None
 
     @property
     def completions(self) -> list["GenResult"]:
@@ -69,6 +72,14 @@ class Sequence:
     choice: int = 0  # which of its request's n completions this is (0: the one that prefills the prompt)
     forked: bool = False  # choice 0 of a request with n > 1: its siblings exist
     constraint: Any = None  # its structured output's grammar matcher (structured.Matcher), when it has one
+    prompt_logprobs: list[LogprobEntry | None] = field(default_factory=list)  # per prompt token, when asked
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its request asks for its prompt tokens' logprobs and they are not all recorded yet."""
+        req = self.request
+        return (req is not None and req.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.prompt_len)
 
     @property
     def slots(self) -> int:

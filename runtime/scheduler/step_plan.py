@@ -32,6 +32,7 @@ class SeqChunk:
     slot_offsets: list[int]  # per token: the offset in that block
     prefill: bool  # counts as prompt work (a chunk of several tokens, or inside the prompt)
     finishes: bool  # its known tokens are all cached after this step: its last row reaches the head
+    score: bool = False  # every row reaches the head (its prompt tokens' logprobs are asked)
 
     @property
     def n(self) -> int:
@@ -61,8 +62,9 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What the worker computed: the finishing sequences (in row order) and their logits
-    [S', V] fp32, or with `all_rows` the logits of every row, [T, V] in row order."""
+    """What the worker computed: the logits, fp32, of the rows that reach the head, in row
+    order: each finishing chunk's last row and every row of a scoring chunk (`score`), [R, V];
+    with `all_rows` those of every row, [T, V]."""
 
     finished: list[int]  # sids
     logits: torch.Tensor

@@ -45,7 +45,7 @@ class StepBatch:
     blocks: torch.Tensor  # [T] KV block of each row
     offsets: torch.Tensor  # [T] offset in that block
     finishing: list[int]  # sids whose tokens are all cached after this step
-    last_rows: torch.Tensor  # [S'] their last rows (indexes host buffers); every row with all_rows
+    last_rows: torch.Tensor  # [R] rows reaching the head: finishing chunks' last, scoring chunks' all; every row with all_rows
     prefill_tokens: int
     block_size: int
 
@@ -63,7 +63,9 @@ class StepBatch:
             pos.extend(range(c.start, c.start + c.n))
             blk.extend(c.slot_blocks)
             off.extend(c.slot_offsets)
-            if c.finishes:
+            if c.score:
+                last.extend(range(len(ids) - c.n, len(ids)))
+            elif c.finishes:
                 last.append(len(ids) - 1)
         rows = torch.arange(len(ids)) if plan.all_rows else torch.tensor(last, dtype=torch.long)
         return cls(plan.seqs, len(ids), torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
