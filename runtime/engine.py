@@ -165,17 +165,13 @@ def _score_prompts(plan: StepPlan, sched: Scheduler, logits: torch.Tensor) -> to
 def _record_prompt_logprobs(score: list[tuple[int, Sequence, int]], logits: torch.Tensor) -> None:
     """For each (head row, sequence, position): the logprob of the sequence's token at that
     position under the row's fp32 log-softmax, and its request's top N; appended when it is
-    the next position the sequence lacks. One log-softmax, one top-k, one host copy."""
+    the next position the sequence lacks."""
     lps = torch.log_softmax(logits[[i for i, _, _ in score]].float(), dim=-1)  # [P, V]
-    ids = torch.tensor([s.tokens[p] for _, s, p in score], dtype=torch.long, device=lps.device)
-    tops = [_request(s).prompt_logprobs or 0 for _, s, _ in score]
-    k = min(max(tops), lps.shape[-1])
-    picked = lps.gather(1, ids[:, None])[:, 0].tolist()
-    top_v, top_i = (lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for n, (_, s, p) in enumerate(score):
+    got = logprob_entries(lps, [s.tokens[p] for _, s, p in score],
+                          [_request(s).prompt_logprobs or 0 for _, s, _ in score])
+    for (_, s, p), e in zip(score, got):
         if p == len(s.prompt_logprobs):
-            s.prompt_logprobs.append((picked[n], list(zip(top_i[n][:tops[n]], top_v[n][:tops[n]]))))
+            s.prompt_logprobs.append(e)
 
 
 def _end_unsampled(sched: Scheduler, finishing: list[Sequence], logits: torch.Tensor,
@@ -285,23 +281,25 @@ def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
 def _entries(lps: torch.Tensor | None, rows: list[int], chosen: list[Any],
              tops: list[int]) -> dict[int, LogprobEntry]:
     """Row index -> (the chosen token's logprob, its request's top-N [(id, logprob)], best
-    first) for each row in `rows` that got a token; one top-k and one host copy per step."""
+    first) for each row in `rows` that got a token."""
     if lps is None:
         return {}
     ok = [j for j, i in enumerate(rows) if isinstance(chosen[i], int)]
     if not ok:
         return {}
-    ids = torch.tensor([chosen[rows[j]] for j in ok], dtype=torch.long, device=lps.device)
-    sub = lps[ok]
-    picked = sub.gather(1, ids[:, None])[:, 0].cpu().tolist()
-    k = min(max(tops[j] for j in ok), sub.shape[-1])
-    top_v, top_i = (sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long()))
+    got = logprob_entries(lps[ok], [chosen[rows[j]] for j in ok], [tops[j] for j in ok])
+    return {rows[j]: e for j, e in zip(ok, got)}
+
+
+def logprob_entries(lps: torch.Tensor, ids: list[int], tops: list[int]) -> list[LogprobEntry]:
+    """lps [R, V] (log-softmax rows), a token per row and a top N per row -> per row (the
+    token's logprob, the N most likely [(id, logprob)], best first): one gather, one top-k and
+    one host copy for all rows."""
+    picked = lps.gather(1, torch.tensor(ids, dtype=torch.long, device=lps.device)[:, None])[:, 0].cpu().tolist()
+    k = min(max(tops), lps.shape[-1])
+    top_v, top_i = (lps.topk(k, dim=-1) if k > 0 else (lps[:, :0], lps[:, :0].long()))
     top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()
-    out: dict[int, LogprobEntry] = {}
-    for n, j in enumerate(ok):
-        n_top = tops[j]
-        out[rows[j]] = (picked[n], list(zip(top_i[n][:n_top], top_v[n][:n_top])))
-    return out
+    return [(picked[n], list(zip(top_i[n][:t], top_v[n][:t]))) for n, t in enumerate(tops)]
 
 
 def _request(s: Sequence) -> GenRequest:
