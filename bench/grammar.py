@@ -103,6 +103,45 @@ def time_format(compiler: Any, rf: tuple[str, str], rows: int, steps: int, warmu
             "documents_ended": ended}
 
 
+def engine_cost(model: Path, rows: int, new_tokens: int, formats: list[str], seed: int) -> list[dict[str, Any]]:
+    """The whole decode step with and without a grammar, measured in one run: `rows` requests
+    (16 random prompt tokens, `new_tokens` each, min_tokens as many) through generate on a plan
+    compiled for `model`, once free and once per format; the median seconds of the decode steps
+    (no prefill rows) with every row in flight. The masks, the masked sampler path and the
+    accepts are all inside the step time here."""
+    import random
+
+    from moecc.compiler import compile_model
+    from moecc_runtime.engine import Engine, generate
+    from moecc_runtime.scheduler.sequence import GenRequest
+    from moecc_runtime.structured import GrammarCompiler
+    from moecc_runtime.tokenizer import Tokenizer
+
+    plan, _ = compile_model(model, max_batch=rows)
+    vocab = int(plan["model"]["info"]["vocab_size"])
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(rows)]
+    compiler = GrammarCompiler(Tokenizer(model), vocab)
+    out = []
+    for name in ["none", *formats]:
+        rf = None if name == "none" else FORMATS[name]
+        reqs = [GenRequest(f"r{i}", p, new_tokens, min_tokens=new_tokens, response_format=rf)
+                for i, p in enumerate(prompts)]
+        engine = Engine(plan, model, "cpu", record_steps=True)
+        try:
+            generate(engine, reqs, lambda r: None, max_batch=rows, grammar=lambda r: compiler.matcher(r.response_format))
+            recs = engine.stats.records or []
+        finally:
+            engine.close()
+        steady = [r.seconds for r in recs if r.prefill_tokens == 0 and r.sequences == rows]
+        out.append({"format": name, "rows": rows, "decode_steps": len(steady),
+                    "decode_step_ms_median": median(steady) * 1e3 if steady else None})
+    base = out[0]["decode_step_ms_median"]
+    for r in out:
+        r["over_free_step"] = r["decode_step_ms_median"] / base if base and r["decode_step_ms_median"] else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="a checkpoint directory (its tokenizer and vocab_size)")
@@ -113,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="llguidance executor threads (MOECC_GRAMMAR_THREADS; default: llguidance's, 80%% of CPUs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-rows", type=int, default=0,
+                    help="also time whole decode steps of this many constrained requests against free ones (0: no)")
+    ap.add_argument("--engine-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / f"{datetime.date.today()}-grammar.json")
     args = ap.parse_args(argv)
     if args.threads is not None:
@@ -145,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:12s} {rows:5d} {r['fill_masks_ms']:8.3f} ms {r['fill_bitmask_ms']:6.3f} ms "
                       f"{r['unpack_ms']:5.3f} ms {r['accept_ms']:5.3f} ms {r['total_ms']:5.3f} ms "
                       f"{r['per_row_us']:6.1f} us {r['mean_allowed_tokens']:8.1f}")
+        engine = []
+        if args.engine_rows:
+            engine = engine_cost(model, args.engine_rows, args.engine_tokens, args.formats.split(","), args.seed)
+            print(f"whole decode step, {args.engine_rows} rows:")
+            for r in engine:
+                print(f"  {r['format']:12s} {r['decode_step_ms_median']:8.1f} ms median over {r['decode_steps']} "
+                      f"steps, {r['over_free_step']:.3f}x the free step")
     import llguidance
 
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
@@ -152,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                           "grammar_threads": os.environ.get("MOECC_GRAMMAR_THREADS") or "llguidance default"},
               "llguidance": llguidance.__version__, "model": str(model), "vocab_size": vocab,
               "tokenizer_vocab": len(tok.tok), "tokenizer_setup_ms": setup_s * 1e3, "schema": SCHEMA,
-              "per_step": results}
+              "per_step": results, "engine": engine}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
