@@ -50,13 +50,14 @@ class RayOptions:
     shard_size: int | None = None  # requests per shard; None: about 4 shards per worker
     max_restarts: int = 8  # dead actors replaced before the job gives up
     on_shard: Callable[[Any, int], None] | None = None  # called after each finished shard (tests)
+    share_prefixes: bool = True  # the actors' engines share KV blocks of common prompt prefixes
 
 
 class ShardRunner:
     """The body of one Ray actor: an engine on the plan, running shards one at a time."""
 
     def __init__(self, plan: dict[str, Any], model_dir: str, device: str, max_batch: int | None, threads: int,
-                 plan_path: str | None = None):
+                 plan_path: str | None = None, share_prefixes: bool = True):
         import torch
 
         from moecc_runtime.engine import Engine
@@ -64,7 +65,8 @@ class ShardRunner:
 
         if device == "cpu":
             torch.set_num_threads(max(1, threads))
-        self.engine = Engine(plan, Path(model_dir), torch.device(device), plan_path=plan_path)
+        self.engine = Engine(plan, Path(model_dir), torch.device(device), plan_path=plan_path,
+                             share_prefixes=share_prefixes)
         self.tok = Tokenizer(Path(model_dir))
         self.max_batch = max_batch
         self._grammars: Any = None
@@ -216,7 +218,7 @@ class _Pool:
         cpus = 0 if cuda else max(1, options.cpus_per_worker)
         self.cls = ray.remote(num_gpus=1 if cuda else 0, num_cpus=cpus, max_restarts=0)(ShardRunner)
         self.plan_ref = ray.put(plan)
-        self.args = (model_dir, device, max_batch, max(1, cpus), plan_path)
+        self.args = (model_dir, device, max_batch, max(1, cpus), plan_path, options.share_prefixes)
         self.restarts_left = options.max_restarts
         self.actors = [self._new() for _ in range(workers)]
         self.inflight: dict[Any, tuple[int, Any]] = {}  # future -> (shard, actor running it)

@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
@@ -514,7 +514,8 @@ def _run_ray(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batc
     outcome = None
     try:
         outcome = run_on_ray(_Forgetful(job), requests, job.plan, mdir, device=dev, max_batch=max_batch,
-                             options=options, control=lambda: job.control(signals), total=prog.total)
+                             options=replace(options, share_prefixes=job.share_prefixes),
+                             control=lambda: job.control(signals), total=prog.total)
     finally:
         requests.close()
         job.settle_counts()
