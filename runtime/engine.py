@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from moecc_runtime.memory.kv import KVGeometry
-from moecc_runtime.sampling import SamplingError, choose, request_generator
+from moecc_runtime.sampling import Masks, SamplingError, choose, request_generator
 from moecc_runtime.scheduler.blocks import BlockAllocator
 from moecc_runtime.scheduler.scheduler import DEFAULT_PREFILL_TOKENS, Scheduler
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult, LogprobEntry, Sequence
@@ -147,16 +147,15 @@ def _score_prompts(plan: StepPlan, sched: Scheduler, logits: torch.Tensor) -> to
     keep, score = [], []  # head row indexes: finishing rows; (row, sequence, position) to record
     r = 0
     for c in plan.seqs:
+        rows = c.head_rows()
         if c.score:
             s = by_sid[c.sid]
-            s.prompt_logprobs[:1] = s.prompt_logprobs[:1] or [None]  # the first token: nothing before it
-            score += [(r + j, s, c.start + j + 1) for j in range(c.n) if c.start + j + 1 < s.prompt_len]
-            r += c.n
-            if c.finishes:
-                keep.append(r - 1)
-        elif c.finishes:
-            keep.append(r)
-            r += 1
+            if not s.prompt_logprobs:
+                s.prompt_logprobs.append(None)  # the first token: nothing before it
+            score += [(r + j, s, c.start + j + 1) for j in rows if c.start + j + 1 < s.prompt_len]
+        if c.finishes:
+            keep.append(r + len(rows) - 1)
+        r += len(rows)
     if score:
         _record_prompt_logprobs(score, logits)
     return logits[keep]
@@ -217,11 +216,11 @@ def _sample(finishing: list[Sequence], logits: torch.Tensor, eos: set[int],
 
 
 def _grammar_masks(finishing: list[Sequence], grammar: Callable[[GenRequest], Any] | None,
-                   vocab: int) -> dict[int, torch.Tensor]:
-    """Row -> allowed tokens bool [V] for the rows with a response_format, all computed at once."""
+                   vocab: int) -> Masks | None:
+    """The rows with a response_format and their allowed tokens bool [R, V], all computed at once."""
     rows = [i for i, s in enumerate(finishing) if _request(s).response_format is not None]
     if not rows:
-        return {}
+        return None
     if grammar is None:
         raise ValueError("requests with a response_format need generate(..., grammar=...)")
     from moecc_runtime.structured import fill_masks
@@ -229,8 +228,7 @@ def _grammar_masks(finishing: list[Sequence], grammar: Callable[[GenRequest], An
     for i in rows:
         if finishing[i].constraint is None:
             finishing[i].constraint = grammar(_request(finishing[i]))
-    masks = fill_masks([finishing[i].constraint for i in rows], vocab)  # [R, V]
-    return {i: masks[j] for j, i in enumerate(rows)}
+    return rows, fill_masks([finishing[i].constraint for i in rows], vocab)  # [R, V]
 
 
 class _Choices:

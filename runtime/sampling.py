@@ -64,21 +64,28 @@ class SamplingError(ValueError):
     """One row's logits cannot be sampled (not finite): that request fails, the others go on."""
 
 
+#: a step's grammar masks: the rows that have one, and their allowed tokens bool [R, V]
+Masks = tuple[list[int], torch.Tensor]
+
+
 def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None], tokens: Sequence[Sequence[int]] | None = None,
            prompt_lens: Sequence[int] | None = None, eos: Collection[int] = (),
-           masks: dict[int, torch.Tensor] | None = None) -> list[int | SamplingError]:
+           masks: Masks | None = None) -> list[int | SamplingError]:
     """logits [S, V] -> one token per row: greedy rows in one argmax, the rest sampled per
     row with its request's parameters and generator. A row whose logits are not all finite
-    gets a SamplingError in its place instead of a token. A row whose request sets penalties,
-    a logit_bias or min_tokens is first reshaped by `adjust_logits` from its `tokens` (prompt +
-    generated so far), `prompt_lens` and the model's `eos` ids; a row in `masks` (row -> bool
-    [V], its grammar's allowed tokens) then has every other token at -inf. The others are
-    untouched. Where the reshaping leaves no allowed token finite (min_tokens against a
+    gets a SamplingError in its place instead of a token. The rows in `masks` (a grammar's
+    allowed tokens) have every other token at -inf, all in one op. A row whose request sets
+    penalties, a logit_bias or min_tokens is then reshaped by `adjust_logits` from its
+    `tokens` (prompt + generated so far), `prompt_lens` and the model's `eos` ids; the others
+    are untouched. Where the reshaping leaves no allowed token finite (min_tokens against a
     finished grammar's EOS), the grammar wins over the reshaping."""
-    masks = masks or {}
-    finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S]
-    shaped = {i for i, p in enumerate(params) if finite[i] and (not is_neutral(p) or i in masks)}
+    finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S], of the raw logits
+    if masks is not None and masks[0]:
+        rows, allowed = masks
+        logits = logits.clone()
+        logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))  # [R, V]
+    shaped = {i for i, p in enumerate(params) if finite[i] and not is_neutral(p)}
     if shaped and (tokens is None or prompt_lens is None):
         raise ValueError("requests with penalties, logit_bias or min_tokens need their tokens and prompt lengths")
     greedy = [i for i, p in enumerate(params) if p.temperature <= 0.0 and finite[i] and i not in shaped]
@@ -90,16 +97,9 @@ def choose(logits: torch.Tensor, params: Sequence[SamplingParams],
     for i, p in enumerate(params):
         if i in shaped:
             assert tokens is not None and prompt_lens is not None
-            row = adjust_logits(logits[i], p, tokens[i], prompt_lens[i], eos)
-            if i in masks:
-                allowed = masks[i].to(row.device)  # [V]
-                masked = row.masked_fill(~allowed, float("-inf"))
-                if not bool(torch.isfinite(masked).any()):  # e.g. min_tokens holds off the EOS the grammar needs
-                    masked = logits[i].float().masked_fill(~allowed, float("-inf"))  # the grammar wins
-                if not bool(torch.isfinite(masked).any()):
-                    out[i] = SamplingError("the response_format grammar allows no token here")
-                    continue
-                row = masked
+            row = adjust_logits(logits[i], p, tokens[i], prompt_lens[i], eos)  # a masked token stays -inf
+            if not bool(torch.isfinite(row).any()):  # e.g. min_tokens holds off the EOS the grammar needs
+                row = logits[i].float()  # the grammar wins
             out[i] = next_token(row, p.temperature, p.top_p, p.top_k, generators[i])
         elif p.temperature > 0.0 and finite[i]:
             out[i] = next_token(logits[i], p.temperature, p.top_p, p.top_k, generators[i])

@@ -120,6 +120,12 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_plan(cls, tokenizer: Any, plan: dict[str, Any]) -> "GrammarCompiler":
+        """The compiler of a plan's model: its vocabulary (logit width) and EOS ids."""
+        info = plan["model"]["info"]
+        return cls(tokenizer, int(info["vocab_size"]), eos_ids=[int(t) for t in info["eos_token_ids"]])
+
     def _grammar(self, response_format: tuple[str, str]) -> str:
         """The llguidance grammar text of a response_format; raises ValueError."""
         import llguidance

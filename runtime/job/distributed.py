@@ -76,9 +76,7 @@ class ShardRunner:
         if self._grammars is None:
             from moecc_runtime.structured import GrammarCompiler
 
-            info = self.engine.plan["model"]["info"]
-            self._grammars = GrammarCompiler(self.tok, int(info["vocab_size"]),
-                                             eos_ids=[int(t) for t in info["eos_token_ids"]])
+            self._grammars = GrammarCompiler.for_plan(self.tok, self.engine.plan)
         return self._grammars.matcher(req.response_format)
 
     def run(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -100,7 +98,8 @@ class ShardRunner:
 def run_on_ray(job: Any, requests: Iterable[GenRequest], plan: dict[str, Any], model_dir: Path, *, device: str,
                max_batch: int | None, options: RayOptions, control: Callable[[], str],
                total: int | None = None) -> str:
-    """Run `requests` on a pool of Ray actors, writing results through `job` (exec.Job) as
+    """Run `requests` on a pool of Ray actors, writing results through `job` (exec.Job: its
+    on_finish / on_error, which drop each request's bookkeeping once it is written) as
     shards finish. `requests` is read lazily, a shard when an actor is free for it (a list,
     or an iterable with `total`, about how many it holds, for the shard size); a shard is
     held only until its results are written. `control()` as for generate ("drain": no new
@@ -163,7 +162,7 @@ def run_on_ray(job: Any, requests: Iterable[GenRequest], plan: dict[str, Any], m
                         retry.append(s)
                         continue
                     for r in shards.pop(s):
-                        job.failed(r, f"worker error: {e.cause if hasattr(e, 'cause') else e}")
+                        job.on_error(r, f"worker error: {e.cause if hasattr(e, 'cause') else e}")
                     continue
                 _write_shard(job, out, shards.pop(s), len(inflight))
                 if options.on_shard is not None:
@@ -200,10 +199,10 @@ def _gen_result(res: dict[str, Any]) -> GenResult:
 def _write_shard(job: Any, out: dict[str, Any], shard: list[GenRequest], inflight: int) -> None:
     """A finished shard's results and errors, written through `job` (exec.Job)."""
     for res in out["results"]:
-        job.finished(_gen_result(res))
+        job.on_finish(_gen_result(res))
     by_key = {r.key: r for r in shard}
     for key, message in out["errors"]:
-        job.failed(by_key[key], message)
+        job.on_error(by_key[key], message)
     if job.prog is not None:
         job.prog.step(sum(len(res["token_ids"]) for res in out["results"]), inflight)
 

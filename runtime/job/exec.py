@@ -399,29 +399,23 @@ class Job:
         api, model, stop, echo = self.apis[r.key]
         self.summary.succeeded += 1
         self.summary.prompt_tokens += len(r.prompt_ids)
-        prompt = self._prompt_logprobs(r)
-        completions = [Completion((echo or "") + self.tok.output_text(c.token_ids, stop), c.token_ids,
-                                  c.finish_reason, _joined(prompt, self._logprobs(c))) for c in r.completions]
+        prompt = self._token_logprobs(r.prompt_ids, r.prompt_logprobs)
+        completions = [Completion((echo or "") + self.tok.output_text(c.token_ids, stop), c.token_ids, c.finish_reason,
+                                  _joined(prompt, self._token_logprobs(c.token_ids, c.logprobs)))
+                       for c in r.completions]
         self.summary.completion_tokens += sum(len(c.token_ids) for c in completions)
         self.writer.result(r.key, api, completions, len(r.prompt_ids), model, request=self.requests[r.key])
         if self.prog is not None:
             self.prog.request(True, sum(len(c.token_ids) for c in completions))
 
-    def _logprobs(self, c: GenResult) -> list[TokenLogprob] | None:
-        if c.logprobs is None:
-            return None
-        ts = self.tok.token_str
-        return [TokenLogprob(t, ts(t), lp, [(i, ts(i), v) for i, v in top])
-                for t, (lp, top) in zip(c.token_ids, c.logprobs)]
-
-    def _prompt_logprobs(self, r: GenResult) -> list[TokenLogprob] | None:
-        """An echoed prompt's tokens with their logprobs (the first one's None), when asked."""
-        if r.prompt_logprobs is None:
+    def _token_logprobs(self, ids: list[int], entries: list[Any] | None) -> list[TokenLogprob] | None:
+        """Tokens and their logprob entries (None for an echoed prompt's first token) as the
+        writers report them, each token with its text; None when not asked."""
+        if entries is None:
             return None
         ts = self.tok.token_str
         return [TokenLogprob(t, ts(t), None, []) if e is None else
-                TokenLogprob(t, ts(t), e[0], [(i, ts(i), v) for i, v in e[1]])
-                for t, e in zip(r.prompt_ids, r.prompt_logprobs)]
+                TokenLogprob(t, ts(t), e[0], [(i, ts(i), v) for i, v in e[1]]) for t, e in zip(ids, entries)]
 
     def _echo(self, item: Request, gen: GenRequest) -> str | None:
         """The text an echoed prompt comes back as: as given, or its token ids decoded."""
@@ -438,8 +432,7 @@ class Job:
     def grammars(self) -> GrammarCompiler:
         """The job's structured-output grammars (built on first use, once)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tok, int(self.plan["model"]["info"]["vocab_size"]),
-                                             eos_ids=[int(t) for t in self.plan["model"]["info"]["eos_token_ids"]])
+            self._grammars = GrammarCompiler.for_plan(self.tok, self.plan)
         return self._grammars
 
     def failed(self, r: GenRequest, message: str) -> None:
@@ -513,7 +506,7 @@ def _run_ray(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batc
     dev = pick_device(device).type
     outcome = None
     try:
-        outcome = run_on_ray(_Forgetful(job), requests, job.plan, mdir, device=dev, max_batch=max_batch,
+        outcome = run_on_ray(job, requests, job.plan, mdir, device=dev, max_batch=max_batch,
                              options=replace(options, share_prefixes=job.share_prefixes),
                              control=lambda: job.control(signals), total=prog.total)
     finally:
@@ -522,18 +515,6 @@ def _run_ray(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batc
         job.end(outcome, signals, start, wall0, {"ray": {"address": options.address, "workers": options.workers}},
                 stats_path)
     return job.summary
-
-
-class _Forgetful:
-    """`job` as run_on_ray sees it: its finished / failed drop the request's bookkeeping after
-    writing it (Job.on_finish / on_error); everything else is the job's."""
-
-    def __init__(self, job: Job):
-        self._job = job
-        self.finished, self.failed = job.on_finish, job.on_error
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._job, name)
 
 
 def _joined(prompt: list[TokenLogprob] | None, completion: list[TokenLogprob] | None) -> list[TokenLogprob] | None:

@@ -76,8 +76,7 @@ class MoeccPredictor:
         if self._grammars is None:
             from moecc_runtime.structured import GrammarCompiler
 
-            info = self.plan["model"]["info"]
-            self._grammars = GrammarCompiler(self.tok, self.vocab, eos_ids=[int(t) for t in info["eos_token_ids"]])
+            self._grammars = GrammarCompiler.for_plan(self.tok, self.plan)
         return self._grammars
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:

@@ -340,9 +340,7 @@ def _check_response_format(value: object, field: str) -> tuple[str, str] | None:
         _check_str(spec["name"], f"{where}.name")
     if spec.get("description") is not None:
         _check_str(spec["description"], f"{where}.description")
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise RequestFieldError(f"{where}.strict", f"expected true or false, got {_describe(strict)}")
+    _check_bool(spec.get("strict"), f"{where}.strict")
     if "schema" not in spec:
         raise RequestFieldError(f"{where}.schema", "missing required field (the JSON Schema the output must match)")
     schema = spec["schema"]
@@ -351,18 +349,17 @@ def _check_response_format(value: object, field: str) -> tuple[str, str] | None:
     return ("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
-def _check_echo(body: dict) -> bool:
-    """A completions body's `echo` (true / false / null)."""
-    value = body.get("echo")
+def _check_bool(value: object, field: str) -> bool | None:
+    """`value` if it is true, false or null (None)."""
     if value is not None and not isinstance(value, bool):
-        raise RequestFieldError("body.echo", f"expected true or false, got {_describe(value)}")
-    return bool(value)
+        raise RequestFieldError(field, f"expected true or false, got {_describe(value)}")
+    return value
 
 
 def _sampling(obj: dict, prefix: str = "", max_tokens_floor: int = 1) -> dict[str, Any]:
-    """max_tokens, temperature, top_p, top_k, seed, stop, n and the penalties of a simple line or a
-    Batch API body (where, as in vLLM, top_k -1 also means off). max_tokens may be 0 only with
-    `max_tokens_floor` 0 (completions with echo: the prompt alone, scored)."""
+    """max_tokens, temperature, top_p, top_k, seed, stop, n, response_format and the penalties of a
+    simple line or a Batch API body (where, as in vLLM, top_k -1 also means off). max_tokens may
+    be 0 only with `max_tokens_floor` 0 (completions with echo: the prompt alone, scored)."""
     out: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty"):
         if obj.get(name) is not None:
@@ -378,6 +375,8 @@ def _sampling(obj: dict, prefix: str = "", max_tokens_floor: int = 1) -> dict[st
                                        expected="an integer >= 0")
     if obj.get("n") is not None:
         out["n"] = _check_int(obj["n"], prefix + "n", lo=1, hi=MAX_N + 1, expected=f"an integer in [1, {MAX_N}]")
+    if obj.get("response_format") is not None:
+        out["response_format"] = _check_response_format(obj["response_format"], prefix + "response_format")
     if "max_tokens" in obj:
         out["max_tokens"] = _check_int(obj["max_tokens"], prefix + "max_tokens", lo=max_tokens_floor, hi=None,
                                        expected=f"an integer >= {max_tokens_floor}")
@@ -410,9 +409,7 @@ def _sampling(obj: dict, prefix: str = "", max_tokens_floor: int = 1) -> dict[st
 def _chat_logprobs(obj: dict, prefix: str = "") -> dict[str, Any]:
     """`logprobs` (true / false / null) and `top_logprobs` (0..20 / null, only with logprobs
     true) of a chat body or a simple line -> {"logprobs": N} when asked, else {}."""
-    want = obj.get("logprobs")
-    if want is not None and not isinstance(want, bool):
-        raise RequestFieldError(prefix + "logprobs", f"expected true or false, got {_describe(want)}")
+    want = _check_bool(obj.get("logprobs"), prefix + "logprobs")
     top = obj.get("top_logprobs")
     if top is not None:
         top = _check_int(top, prefix + "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS + 1,
@@ -490,13 +487,11 @@ def _parse_batch_line(obj: dict, line: int, custom_id: str) -> Request:
         prompt, messages = _prefixed("body.", lambda: _check_prompt(body["prompt"])), None
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RequestFieldError("body.max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
-    echo = api == "completions" and _check_echo(body)
+    echo = api == "completions" and bool(_check_bool(body.get("echo"), "body.echo"))
     knobs = _sampling(body, "body.", max_tokens_floor=0 if echo else 1)
     knobs.update(_chat_logprobs(body, "body.") if api == "chat" else _completion_logprobs(body))
     if echo:
         knobs["echo"] = True
-    if body.get("response_format") is not None:
-        knobs["response_format"] = _check_response_format(body["response_format"], "body.response_format")
     return Request(line=line, custom_id=custom_id, prompt=prompt, messages=messages, api=api, model=model, **knobs)
 
 
@@ -536,8 +531,6 @@ def parse_request(obj: object, *, path: str, line: int) -> Request:
         messages = _check_messages(obj["messages"]) if has_messages else None
         knobs = _sampling(obj)
         knobs.update(_chat_logprobs(obj))
-        if obj.get("response_format") is not None:
-            knobs["response_format"] = _check_response_format(obj["response_format"], "response_format")
     except RequestFieldError as exc:
         exc.custom_id = custom_id
         raise

@@ -26,10 +26,22 @@ so the pages a job touches stay as few as its peak use.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 #: a registered block's content: (the uid of the block before it, or -1; its tokens)
 BlockKey = tuple[int, tuple[int, ...]]
+
+
+class Prefix(NamedTuple):
+    """A probe's find: the registered blocks covering a sequence's leading tokens, and their uids."""
+
+    blocks: list[int]
+    chain: list[int]
+
+
+NO_PREFIX = Prefix([], [])
 
 
 class KVCacheFull(RuntimeError):
@@ -137,26 +149,26 @@ class BlockAllocator:
         self._chains.pop(sid, None)
 
     # -- prefix sharing ----------------------------------------------------------------------
-    def probe(self, tokens: list[int]) -> int:
-        """Blocks of `tokens`' prefix `match` would find registered (changes nothing)."""
-        return len(self._walk(tokens, [])) if self.share_prefixes else 0
+    def probe(self, tokens: Sequence[int]) -> Prefix:
+        """The registered blocks `match` would give a sequence of `tokens` (changes nothing)."""
+        chain: list[int] = []
+        return Prefix(self._walk(tokens, chain) if self.share_prefixes else [], chain)
 
-    def match(self, sid: int, tokens: list[int]) -> int:
-        """needs: `sid` holds no blocks. does: give `sid` the longest chain of registered blocks
-        covering `tokens` before its last one. guarantees: returns the positions they cover
-        (a multiple of bs, < len(tokens)): computed already, not to be computed again."""
+    def match(self, sid: int, hit: Prefix) -> int:
+        """needs: `sid` holds no blocks, `hit` probed just now (nothing changed since). does:
+        give `sid` the blocks of `hit`, the longest registered chain covering its tokens before
+        the last one. guarantees: returns the positions they cover (a multiple of bs, < the
+        tokens'): computed already, not to be computed again."""
         if self.tables.get(sid):
             raise ValueError(f"sequence {sid} already holds blocks; match only a new sequence")
-        chain: list[int] = []
-        found = self._walk(tokens, chain) if self.share_prefixes else []
-        for b in found:
+        for b in hit.blocks:
             if self._refs[b] == 0:
                 del self._cached[b]
             self._refs[b] += 1
-        self.tables[sid], self._chains[sid] = found, chain
-        self.lengths[sid] = len(found) * self.block_size
-        self.reused_tokens += len(found) * self.block_size
-        return len(found) * self.block_size
+        self.tables[sid], self._chains[sid] = list(hit.blocks), list(hit.chain)
+        self.lengths[sid] = len(hit.blocks) * self.block_size
+        self.reused_tokens += len(hit.blocks) * self.block_size
+        return len(hit.blocks) * self.block_size
 
     def register(self, sid: int, tokens: list[int], computed: int) -> None:
         """`sid`'s positions < `computed` hold K/V of `tokens`: register its full blocks among
@@ -190,7 +202,7 @@ class BlockAllocator:
         return ([table[p // bs] for p in range(start, start + n)], [p % bs for p in range(start, start + n)])
 
     # -- internals ---------------------------------------------------------------------------
-    def _walk(self, tokens: list[int], chain: list[int]) -> list[int]:
+    def _walk(self, tokens: Sequence[int], chain: list[int]) -> list[int]:
         """The registered blocks of `tokens`' leading full blocks before its last token,
         their uids appended to `chain`."""
         bs, found = self.block_size, []

@@ -29,7 +29,7 @@ from typing import Iterable, Iterator
 import torch
 
 from moecc_runtime.sampling import request_generator
-from moecc_runtime.scheduler.blocks import BlockAllocator, KVCacheFull
+from moecc_runtime.scheduler.blocks import NO_PREFIX, BlockAllocator, KVCacheFull
 from moecc_runtime.scheduler.sequence import GenRequest, Sequence
 from moecc_runtime.scheduler.step_plan import SeqChunk, StepPlan
 
@@ -157,14 +157,19 @@ class Scheduler:
         budget = self.budget_per_step - sum(min(s.pending, self.budget_per_step) for s in self.running if s.pending > 1)
         used = sum(s.slots for s in self.running)
         while (self.preempted or (self.queue and admit_new)) and used < self.limit and budget > 0:
-            tokens = self.preempted[0].tokens if self.preempted else self.queue.peek().prompt_ids
-            slots = self.preempted[0].slots if self.preempted else self.queue.peek().n
+            head = self.preempted[0] if self.preempted else None
+            req = head.request if head is not None else self.queue.peek()
+            assert req is not None, "the scheduler only runs sequences of requests"
+            tokens = head.tokens if head is not None else req.prompt_ids
+            slots = head.slots if head is not None else req.n
+            scored = head.scores_prompt if head is not None else req.prompt_logprobs is not None
+            hit = NO_PREFIX if scored else self.blocks.probe(tokens)  # a scored prompt runs every row
             growth = len(self.running) // self.blocks.block_size + 1  # blocks the running ones may take next step
-            need = self.blocks.blocks_for(len(tokens) + 1) - self.blocks.probe(list(tokens))
+            need = self.blocks.blocks_for(len(tokens) + 1) - len(hit.blocks)
             if self.running and (need + growth > self.blocks.free_blocks or used + slots > self.limit):
                 break
             seq = self.preempted.popleft() if self.preempted else self._new_sequence(self.queue.popleft())
-            seq.cached = 0 if seq.scores_prompt else self.blocks.match(seq.sid, seq.tokens)  # scored: every row
+            seq.cached = self.blocks.match(seq.sid, hit)
             self.running.append(seq)
             used += seq.slots
             budget -= min(seq.pending, budget)

@@ -38,6 +38,13 @@ class SeqChunk:
     def n(self) -> int:
         return len(self.tokens)
 
+    def head_rows(self, all_rows: bool = False) -> range:
+        """Offsets of this chunk's rows that reach the head (whose logits the step returns):
+        every row when scoring (or `all_rows`), the last one when it finishes, else none."""
+        if self.score or all_rows:
+            return range(self.n)
+        return range(self.n - 1, self.n) if self.finishes else range(0)
+
 
 @dataclass(frozen=True)
 class StepPlan:

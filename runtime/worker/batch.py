@@ -63,11 +63,8 @@ class StepBatch:
             pos.extend(range(c.start, c.start + c.n))
             blk.extend(c.slot_blocks)
             off.extend(c.slot_offsets)
-            if c.score:
-                last.extend(range(len(ids) - c.n, len(ids)))
-            elif c.finishes:
-                last.append(len(ids) - 1)
-        rows = torch.arange(len(ids)) if plan.all_rows else torch.tensor(last, dtype=torch.long)
+            last.extend(len(ids) - c.n + j for j in c.head_rows(plan.all_rows))
+        rows = torch.tensor(last, dtype=torch.long)
         return cls(plan.seqs, len(ids), torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                    spans, torch.tensor(blk, dtype=torch.long), torch.tensor(off, dtype=torch.long),
                    [c.sid for c in plan.seqs if c.finishes], rows, plan.prefill_tokens, block_size)
