@@ -20,11 +20,12 @@ from typing import Any, Callable, Iterable
 import torch
 
 from moecc_runtime.memory.kv import KVGeometry
-from moecc_runtime.sampling import Masks, SamplingError, choose, request_generator
+from moecc_runtime.sampling import NOT_FINITE, Masks, SamplingError, request_generator, sample
 from moecc_runtime.scheduler.blocks import BlockAllocator
 from moecc_runtime.scheduler.scheduler import DEFAULT_PREFILL_TOKENS, Scheduler
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult, LogprobEntry, Sequence
 from moecc_runtime.scheduler.step_plan import StepPlan
+from moecc_runtime.syncs import to_device, to_list
 from moecc_runtime.worker.stats import EngineStats
 from moecc_runtime.worker.worker import Worker
 
@@ -166,8 +167,8 @@ def _record_prompt_logprobs(score: list[tuple[int, Sequence, int]], logits: torc
     position under the row's fp32 log-softmax, and its request's top N; appended when it is
     the next position the sequence lacks."""
     lps = torch.log_softmax(logits[[i for i, _, _ in score]].float(), dim=-1)  # [P, V]
-    got = logprob_entries(lps, [s.tokens[p] for _, s, p in score],
-                          [_request(s).prompt_logprobs or 0 for _, s, _ in score])
+    _, got = read_back(None, lps, [s.tokens[p] for _, s, p in score],
+                       [_request(s).prompt_logprobs or 0 for _, s, _ in score])
     for (_, s, p), e in zip(score, got):
         if p == len(s.prompt_logprobs):
             s.prompt_logprobs.append(e)
@@ -205,14 +206,18 @@ def _fork(sched: Scheduler, finishing: list[Sequence], logits: torch.Tensor) -> 
 def _sample(finishing: list[Sequence], logits: torch.Tensor, eos: set[int],
             grammar: Callable[[GenRequest], Any] | None) -> tuple[list[Any], dict[int, LogprobEntry]]:
     """The step's next tokens (or SamplingErrors) and the logprob entries of the rows that
-    asked, computed from the raw logits before the sampler reshapes them."""
+    asked, computed from the raw logits before the sampler reshapes them; all of it comes to
+    the host in one copy."""
     reqs = [_request(s) for s in finishing]
     asked = [i for i, r in enumerate(reqs) if r.logprobs is not None]
-    lps = _log_softmax(logits, asked)
     masks = _grammar_masks(finishing, grammar, logits.shape[-1])
-    chosen = choose(logits, reqs, [s.generator for s in finishing], [s.tokens for s in finishing],
-                    [s.prompt_len for s in finishing], eos, masks)
-    return chosen, _entries(lps, asked, chosen, [reqs[i].logprobs or 0 for i in asked])
+    tokens = sample(logits, reqs, [s.generator for s in finishing], [s.tokens for s in finishing],
+                    [s.prompt_len for s in finishing], eos, masks)  # [S'] on the device, -1: not finite
+    lps = _log_softmax(logits, asked)
+    ids = tokens[to_device(asked, tokens.device, torch.long)].clamp_min(0) if asked else None
+    got, entries = read_back(tokens, lps, ids, [reqs[i].logprobs or 0 for i in asked])
+    chosen: list[Any] = [t if t >= 0 else SamplingError(NOT_FINITE) for t in got]
+    return chosen, {asked[j]: e for j, e in enumerate(entries) if isinstance(chosen[asked[j]], int)}
 
 
 def _grammar_masks(finishing: list[Sequence], grammar: Callable[[GenRequest], Any] | None,
@@ -276,28 +281,29 @@ def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
     return torch.log_softmax(logits[rows].float(), dim=-1)
 
 
-def _entries(lps: torch.Tensor | None, rows: list[int], chosen: list[Any],
-             tops: list[int]) -> dict[int, LogprobEntry]:
-    """Row index -> (the chosen token's logprob, its request's top-N [(id, logprob)], best
-    first) for each row in `rows` that got a token."""
-    if lps is None:
-        return {}
-    ok = [j for j, i in enumerate(rows) if isinstance(chosen[i], int)]
-    if not ok:
-        return {}
-    got = logprob_entries(lps[ok], [chosen[rows[j]] for j in ok], [tops[j] for j in ok])
-    return {rows[j]: e for j, e in zip(ok, got)}
-
-
-def logprob_entries(lps: torch.Tensor, ids: list[int], tops: list[int]) -> list[LogprobEntry]:
-    """lps [R, V] (log-softmax rows), a token per row and a top N per row -> per row (the
-    token's logprob, the N most likely [(id, logprob)], best first): one gather, one top-k and
-    one host copy for all rows."""
-    picked = lps.gather(1, torch.tensor(ids, dtype=torch.long, device=lps.device)[:, None])[:, 0].cpu().tolist()
-    k = min(max(tops), lps.shape[-1])
-    top_v, top_i = (lps.topk(k, dim=-1) if k > 0 else (lps[:, :0], lps[:, :0].long()))
-    top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()
-    return [(picked[n], list(zip(top_i[n][:t], top_v[n][:t]))) for n, t in enumerate(tops)]
+def read_back(tokens: torch.Tensor | None, lps: torch.Tensor | None, ids: torch.Tensor | list[int] | None,
+              tops: list[int]) -> tuple[list[int], list[LogprobEntry]]:
+    """One host read for a step: the tokens [S] (when given) and, for each row of lps [R, V]
+    (log-softmax rows), (the logprob of its token ids[r], its tops[r] most likely [(id,
+    logprob)], best first): one gather, one top-k and one copy of them all."""
+    parts: list[torch.Tensor] = [] if tokens is None else [tokens.double()]
+    R = 0 if lps is None else lps.shape[0]
+    k = 0
+    if lps is not None and R:
+        idx = ids if isinstance(ids, torch.Tensor) else to_device(list(ids or []), lps.device, torch.long)
+        k = min(max(tops), lps.shape[-1])
+        parts.append(lps.gather(1, idx[:, None])[:, 0].double())  # [R]
+        if k > 0:
+            top_v, top_i = lps.topk(k, dim=-1)  # [R, k]
+            parts += [top_v.flatten().double(), top_i.flatten().double()]
+    if not parts:
+        return [], []
+    flat = to_list(torch.cat(parts), "sample")
+    S = 0 if tokens is None else tokens.shape[0]
+    got = [int(t) for t in flat[:S]]
+    picked = flat[S:S + R]
+    vals, ids_ = flat[S + R:S + R + R * k], flat[S + R + R * k:]
+    return got, [(picked[r], [(int(ids_[r * k + j]), vals[r * k + j]) for j in range(t)]) for r, t in enumerate(tops)]
 
 
 def _request(s: Sequence) -> GenRequest:

@@ -1,0 +1,99 @@
+"""A request's logit reshaping, for all of a step's rows that ask for one at once:
+logit_bias, min_tokens, repetition_penalty, presence and frequency penalties. A request that
+sets none of them (`is_neutral`) is never reshaped: its logits reach the draw as the model
+made them.
+
+Legend: R = rows reshaped this step, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Collection, Sequence
+
+import torch
+
+from moecc_runtime.syncs import to_device
+
+
+def is_neutral(p: object) -> bool:
+    """Whether `p` sets none of the penalties, biases and floors (its logits go unchanged)."""
+    return (getattr(p, "presence_penalty", 0.0) == 0.0 and getattr(p, "frequency_penalty", 0.0) == 0.0
+            and getattr(p, "repetition_penalty", 1.0) == 1.0 and not getattr(p, "logit_bias", ())
+            and getattr(p, "min_tokens", 0) <= 0)
+
+
+def adjust_rows(x: torch.Tensor, params: Sequence[object], tokens: Sequence[Sequence[int]],
+                prompt_lens: Sequence[int], eos: Collection[int] = ()) -> torch.Tensor:
+    """x [R, V] float32, reshaped in place and returned, row r by params[r] in this order:
+    logit_bias added (`logit_bias`: (token id, bias) pairs); EOS set to -inf while fewer than
+    `min_tokens` tokens were generated; repetition_penalty (vLLM/HF) over prompt + generated
+    (`tokens[r]`): a logit > 0 divided by it, any other multiplied by it; then OpenAI's
+    presence and frequency penalties over the generated tokens (`tokens[r][prompt_lens[r]:]`):
+    logit[t] -= presence * (count[t] > 0) + frequency * count[t]. Each kind is one op over all
+    the rows that ask for it."""
+    R, V = x.shape
+    flat = x.view(-1)  # [R*V]
+    dev = x.device
+    _bias(flat, params, V, dev)
+    _floor(x, params, tokens, prompt_lens, eos)
+    _repetition(flat, params, tokens, V, dev)
+    _presence_frequency(flat, params, tokens, prompt_lens, V, dev)
+    return x
+
+
+def _long(xs: list[int], dev: torch.device) -> torch.Tensor:
+    return to_device(xs, dev, torch.long)
+
+
+def _bias(flat: torch.Tensor, params: Sequence[object], V: int, dev: torch.device) -> None:
+    idx, val = [], []
+    for r, p in enumerate(params):
+        for t, b in getattr(p, "logit_bias", ()):
+            idx.append(r * V + t)
+            val.append(b)
+    if idx:
+        flat.index_add_(0, _long(idx, dev), to_device(val, dev, torch.float32))
+
+
+def _floor(x: torch.Tensor, params: Sequence[object], tokens: Sequence[Sequence[int]],
+           prompt_lens: Sequence[int], eos: Collection[int]) -> None:
+    rows = [r for r, p in enumerate(params)
+            if getattr(p, "min_tokens", 0) > len(tokens[r]) - prompt_lens[r]]
+    if rows and eos:
+        x[_long(rows, x.device)[:, None], _long(sorted(eos), x.device)[None, :]] = float("-inf")
+
+
+def _repetition(flat: torch.Tensor, params: Sequence[object], tokens: Sequence[Sequence[int]], V: int,
+                dev: torch.device) -> None:
+    idx, rep = [], []
+    for r, p in enumerate(params):
+        pen = getattr(p, "repetition_penalty", 1.0)
+        if pen != 1.0:
+            seen = sorted(set(tokens[r]))
+            idx += [r * V + t for t in seen]
+            rep += [pen] * len(seen)
+    if idx:
+        i = _long(idx, dev)
+        v, pen_t = flat[i], to_device(rep, dev, torch.float32)
+        flat[i] = torch.where(v > 0, v / pen_t, v * pen_t)
+
+
+def _presence_frequency(flat: torch.Tensor, params: Sequence[object], tokens: Sequence[Sequence[int]],
+                        prompt_lens: Sequence[int], V: int, dev: torch.device) -> None:
+    idx, sub = [], []
+    for r, p in enumerate(params):
+        pres, freq = getattr(p, "presence_penalty", 0.0), getattr(p, "frequency_penalty", 0.0)
+        if pres == 0.0 and freq == 0.0:
+            continue
+        for t, c in sorted(Counter(tokens[r][prompt_lens[r]:]).items()):
+            idx.append(r * V + t)
+            sub.append(freq * float(c) + pres)
+    if idx:
+        flat.index_add_(0, _long(idx, dev), -to_device(sub, dev, torch.float32))
+
+
+def adjust_logits(logits: torch.Tensor, p: object, tokens: Sequence[int], prompt_len: int,
+                  eos: Collection[int] = ()) -> torch.Tensor:
+    """One request's row: logits [V] -> a new float32 row [V] reshaped as `adjust_rows` does."""
+    return adjust_rows(logits.float().clone()[None], [p], [tokens], [prompt_len], eos)[0]
