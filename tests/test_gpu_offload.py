@@ -5,8 +5,9 @@
   trip, with host, device and split attention, steps switching between the two, and only
   the first step (which learns the row shapes) writing host buffers;
 * which values may stay, and that they fit the plan's staging area;
-* the KV pool asks for pinned memory exactly when the compute device is CUDA, and falls back
-  to pageable memory with a warning when pinning fails;
+* the KV pool is pageable on every device (nothing DMAs from it: KV goes through pinned
+  staging); asked to pin, it registers K and V in place and falls back to pageable memory
+  with a warning when pinning fails;
 * a plan without a device arena is refused on CUDA (runtime), and `moecc exec` recompiles it
   in memory for the device's free memory (the free-memory query replaced).
 
@@ -184,16 +185,23 @@ def _geo(blocks: int) -> KVGeometry:
 @pytest.fixture
 def fake_pinning(monkeypatch):
     calls: dict[str, list] = {"register": [], "unregister": []}
-    monkeypatch.setattr(pinned, "register", lambda ptr, n: calls["register"].append((ptr, n)))
+    monkeypatch.setattr(pinned, "register", lambda ptr, n, flags=0: calls["register"].append((ptr, n)))
     monkeypatch.setattr(pinned, "unregister", lambda ptr: calls["unregister"].append(ptr))
     return calls
 
 
-def test_kv_pool_is_pinned_only_for_a_cuda_compute_device(fake_pinning):
+def _pinned_pool(blocks: int) -> KVPool:
+    g = _geo(blocks)
+    return KVPool(g.layers, g.heads, g.k_dim, block_size=g.block_size, num_blocks=g.num_blocks, dtype=torch.float32,
+                  v_head_dim=g.v_dim, pin=True)
+
+
+def test_kv_pool_is_pageable_and_pins_only_when_asked(fake_pinning):
     big = pinned.REGISTER_BYTES // (2 * 2 * 4 * 8 * 4) + 1  # blocks: K alone over the registration size
-    cpu = KVPool.of(_geo(big), torch.float32, compute_device=torch.device("cpu"))
-    assert fake_pinning["register"] == [] and not cpu.pinned
-    pool = KVPool.of(_geo(big), torch.float32, compute_device=torch.device("cuda"))
+    for dev in ("cpu", "cuda"):  # nothing DMAs from the pool: pinning it would only lock memory
+        pool = KVPool.of(_geo(big), torch.float32, compute_device=torch.device(dev))
+        assert fake_pinning["register"] == [] and not pool.pinned
+    pool = _pinned_pool(big)
     assert pool.k.device.type == "cpu" and pool.pinned
     assert len(fake_pinning["register"]) == 2  # K and V, each registered in place
     for (ptr, n), t in zip(fake_pinning["register"], (pool.k, pool.v)):
@@ -210,17 +218,17 @@ def test_kv_pool_is_pinned_only_for_a_cuda_compute_device(fake_pinning):
 
 
 def test_kv_pool_falls_back_to_pageable_memory_when_pinning_fails(monkeypatch):
-    def refuse(ptr, n):
-        raise RuntimeError("cudaHostRegister failed with CUDA error 2")
+    def refuse(ptr, n, flags=0):
+        raise pinned.PinError("cuMemHostRegister of 1 B failed: CUDA_ERROR_OUT_OF_MEMORY", 2)
 
     monkeypatch.setattr(pinned, "register", refuse)
     big = pinned.REGISTER_BYTES // (2 * 2 * 4 * 8 * 4) + 1
-    with pytest.warns(pinned.PinningWarning, match=r"KV pool: pinning .* GiB of host memory failed"):
-        pool = KVPool.of(_geo(big), torch.float32, compute_device=torch.device("cuda"))
+    with pytest.warns(pinned.PinningWarning, match=r"KV pool: .* GiB of .* GiB could not be page-locked"):
+        pool = _pinned_pool(big)
     assert not pool.pinned and pool.k.shape[2] == big
     # a small pool goes through torch's pinned allocator, which a CPU-only torch does not have
     with pytest.warns(pinned.PinningWarning, match="using pageable memory instead"):
-        small = KVPool.of(_geo(4), torch.float32, compute_device=torch.device("cuda"))
+        small = _pinned_pool(4)
     assert not small.pinned
     small.zero([1, 2])
 
@@ -309,7 +317,7 @@ def test_exec_recompiles_an_unbudgeted_plan_for_the_device(checkpoints, tmp_path
 # bytes copied and which events each stream and the host wait on, not timing)
 
 class _FakeEvent:
-    def __init__(self, enable_timing: bool = False):
+    def __init__(self, enable_timing: bool = False, blocking: bool = False):
         self.timing, self.stream, self.syncs, self.t = enable_timing, None, 0, 0.0
 
     def record(self, stream=None):
@@ -328,7 +336,7 @@ class _FakeEvent:
 
 
 class _FakeStream:
-    def __init__(self, device=None, name="side"):
+    def __init__(self, device=None, name="side", priority=0):
         self.name, self.waited = name, []
 
     def wait_event(self, ev):
@@ -381,7 +389,7 @@ def test_cuda_copier_chunks_through_two_staging_buffers(fake_cuda, monkeypatch):
     monkeypatch.setattr(Copier, "CHUNK", 1024)
     cuda = torch.device("cuda")
     copier = Copier(cuda, 1 << 20)
-    assert copier.chunk == 1024 and len(copier.ring.bufs) == 2
+    assert copier.chunk == 1024 and len(copier.ring.bufs) == 2 and set(copier.rings) == {"normal", "urgent"}
     src = [torch.randn(700), torch.randn(33)]  # 2800 B (3 chunks) and 132 B
     dst = [torch.empty(700), torch.empty(33)]
     engine = CopyEngine(cuda)
@@ -438,3 +446,33 @@ def test_cuda_kv_staging_and_deferred_stores(fake_cuda):
     pool.flush(wait=False)
     assert pool.pending == 0 and torch.equal(pool.k[1][:, 5, 2], nk[0])
 
+
+
+def test_cuda_copier_dmas_pinned_weights_without_staging(fake_cuda):
+    """A source inside the page-locked streamed weights (registered-mmap / pinned-copy) is one
+    copy straight into the arena; the others still go through the lane's staging ring."""
+    from moecc_runtime.memory.copy_engine import CopyEngine
+    from moecc_runtime.memory.pinned_weights import WeightPins
+    from moecc_runtime.memory.streaming import Copier
+    from moecc_runtime.memory.weight_path import WeightPath
+
+    cuda = torch.device("cuda")
+    copier = Copier(cuda, 1 << 20)
+    pinned_src, other = torch.randn(300), torch.randn(40)
+    pins = WeightPins(WeightPath.REGISTERED_MMAP, 1360)
+    pins.add([(pinned_src.data_ptr(), pinned_src.numel() * 4)])
+    copier.pins = pins
+    dst = [torch.empty(300), torch.empty(40)]
+    engine = CopyEngine(cuda)
+    t = engine.submit("w", 1360, lambda: copier.copy(list(zip([pinned_src, other], dst)), None, "urgent"),
+                      lane="urgent")
+    t.wait()
+    assert torch.equal(dst[0], pinned_src) and torch.equal(dst[1], other)
+    assert copier.direct_bytes == 1200 and copier.staged_bytes == 160
+    assert [e.syncs for e in copier.rings["urgent"].events] == [1, 0]  # one staged chunk, urgent ring
+    assert [e.syncs for e in copier.rings["normal"].events] == [0, 0]
+    assert copier.rings["urgent"].events[0].stream is engine.lanes["urgent"].stream
+    assert engine.lanes["urgent"].stream is not engine.stream
+    engine.drain()
+    engine.close()
+    copier.close()

@@ -1,8 +1,9 @@
 """Weight and KV streaming through the device arena (runtime/memory/arena.py, copy_engine.py,
 streaming.py): plans compiled with a --gpu-mem below the model's weights stream every
 non-resident module and expert through slots, and the output stays token-identical to
-transformers; the arena never exceeds --gpu-mem; experts no token chose are never fetched;
-a failed fetch names the tensor and keeps every result already written."""
+transformers; the arena never exceeds --gpu-mem; experts no token chose are never fetched, and
+the routed ones go on the copy engine's urgent lane; a failed fetch names the tensor and keeps
+every result already written."""
 
 from __future__ import annotations
 
@@ -40,13 +41,15 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.units: list[tuple[int, object]] = []
+        self.lanes: list[tuple[object, str]] = []  # (unit, copy lane) per transfer submitted
         self.step = 0
         real = streaming.StreamedWeights._submit_unit
         spy = self
 
-        def submit(self_, pool, unit, keys, what, layer):
+        def submit(self_, pool, unit, keys, what, layer, lane="normal"):
             spy.units.append((spy.step, unit))
-            return real(self_, pool, unit, keys, what, layer)
+            spy.lanes.append((unit, lane))
+            return real(self_, pool, unit, keys, what, layer, lane)
 
         monkeypatch.setattr(streaming.StreamedWeights, "_submit_unit", submit)
 
@@ -97,6 +100,9 @@ def test_only_chosen_experts_are_fetched(mixtral, eos, monkeypatch):  # noqa: F8
     Run(plan, path, requests(prompts)[:4], eos, kv_blocks=64)
     assert fetched and routed
     assert sum(len(r) for r in routed) >= len(fetched)
+    # routed experts on the urgent copy lane, dense modules on the normal one (behind KV gathers)
+    assert {lane for u, lane in spy.lanes if isinstance(u, tuple)} == {"urgent"}
+    assert {lane for u, lane in spy.lanes if isinstance(u, int)} <= {"normal"}
 
 
 def test_experts_fetched_ahead_of_routing_keep_results(mixtral, reference, eos, monkeypatch):  # noqa: F811

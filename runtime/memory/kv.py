@@ -10,22 +10,41 @@ of one sequence, gathered in table order, read as one [Hkv, positions, D] run. W
 sequence holds which blocks is the scheduler's (scheduler/blocks.py); the pool only stores,
 zeroes and gathers blocks by index.
 
-On a CUDA run the pool is pinned host memory (memory/pinned.py), so K/V copies between it
-and the device are DMA, and the new K/V of a micro-batch computed on the device go to it
+The pool is ordinary (pageable) host memory on every run, huge pages asked for before its
+pages are first touched: no copy reads or writes it from the device directly. KV gathered for
+device attention is gathered on the host into a pinned staging area and copied from there
+(memory/streaming.py KVStaging); the new K/V of a micro-batch computed on the device go to it
 asynchronously (`store`): copied device->host on the worker's device->host stream into
 pinned buffers, an event recorded, and scattered into the pool only when something reads
 the pool (`flush`: the host attention of that layer, the end of the step). On a CPU run
-`store` is `write`, at once.
+`store` is `write`, at once. So pinning the pool would only lock (and commit at start-up)
+memory the weights' page cache needs; `KVPool(pin=True)` still does, for callers that DMA
+from it themselves.
+
+The pool is sized for the machine it runs on (`fit_to_host`, from `KVGeometry.from_plan`): a
+plan compiled elsewhere (or when more memory was free) whose pool does not fit this machine's
+available memory now is shrunk, with a warning naming the numbers, down to the plan's batch
+of sequences of its workload's length; below that the run is refused (KVFitError).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from moecc_runtime.memory import huge_pages, pinned
+from moecc_runtime.memory import pinned
+
+
+class KVFitError(RuntimeError):
+    """The plan's KV pool cannot be had on this machine, even shrunk to the plan's batch."""
+
+
+class HostMemoryWarning(UserWarning):
+    """The plan's KV pool was shrunk to fit this machine's available memory."""
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -42,10 +61,47 @@ class KVGeometry:
     def from_plan(cls, plan: dict[str, Any], kv_blocks: int | None = None,
                   block_size: int | None = None) -> "KVGeometry":
         """The plan's pool (plan["batch"]["kv"], written by the compiler: moecc_runtime.plan_schema
-        KVGeometry), or `kv_blocks` blocks of `block_size` when given (tests, tuning)."""
+        KVGeometry) fitted to this machine (`fit_to_host`), or `kv_blocks` blocks of
+        `block_size` when given (tests, tuning: as asked)."""
         kv = plan["batch"]["kv"]
-        return cls(int(kv["layers"]), int(kv["heads"]), int(kv["key_dim"]), int(kv["value_dim"]),
-                   int(block_size or kv["block_size"]), int(kv_blocks or kv["num_blocks"]))
+        geo = cls(int(kv["layers"]), int(kv["heads"]), int(kv["key_dim"]), int(kv["value_dim"]),
+                  int(block_size or kv["block_size"]), int(kv_blocks or kv["num_blocks"]))
+        if kv_blocks is None and block_size is None:
+            geo = fit_to_host(geo, plan)
+        return geo
+
+
+def fit_to_host(geo: KVGeometry, plan: dict[str, Any], available: int | None = None) -> KVGeometry:
+    """`geo` with at most the blocks this machine can hold now: its available memory
+    (MemAvailable at run time, or `available`) less the plan's weights and host buffers.
+    guarantees: unchanged when it fits or the memory is unknown; shrunk with a
+    HostMemoryWarning down to the plan's B sequences of its workload's length; KVFitError
+    (naming the numbers and what to do) below that."""
+    avail = pinned.available_bytes() if available is None else available
+    per_block = int(plan["batch"]["kv"].get("bytes_per_block") or 0)
+    if avail is None or per_block <= 0:
+        return geo
+    host = (plan.get("memory") or {}).get("host") or {}
+    other = int(host.get("weights", 0) or 0) + int(host.get("buffers", 0) or 0)
+    room = avail - other
+    if geo.num_blocks * per_block <= room:
+        return geo
+    seq_len = int(plan["batch"].get("workload", {}).get("seq_len", geo.block_size))
+    B = int(plan["batch"]["decode"]["B"])
+    floor = B * (-(-seq_len // geo.block_size) + 1)  # planner/host_memory.seq_blocks per sequence
+    fit = max(0, room) // per_block
+    gib = 2 ** 30
+    what = (f"the plan's KV pool ({geo.num_blocks} blocks, {geo.num_blocks * per_block / gib:.2f} GiB) does not fit "
+            f"this machine: {avail / gib:.2f} GiB available now, {other / gib:.2f} GiB of it for the plan's weights "
+            f"and host buffers")
+    if fit < floor:
+        raise KVFitError(f"{what}, leaving room for {fit} blocks, fewer than the {floor} its batch of {B} sequences of "
+                         f"{seq_len} tokens needs. Free host memory, or recompile the plan on this machine "
+                         f"(`moecc compile ... --host-mem <{(avail * 0.9) / gib:.0f}GB or less>`)")
+    warnings.warn(f"{what}; using {fit} blocks ({fit * per_block / gib:.2f} GiB) instead, still room for its batch of "
+                  f"{B} sequences of {seq_len} tokens (longer ones may wait for blocks). Recompile on this machine to "
+                  f"size it here", HostMemoryWarning, stacklevel=3)
+    return dataclasses.replace(geo, num_blocks=int(fit))
 
 
 @dataclass
@@ -72,16 +128,16 @@ class KVPool:
         self.num_blocks = num_blocks
         shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         dv = head_dim if v_head_dim is None else v_head_dim  # 0 for latent attention: K holds it all
-        if pin and torch.device(device).type == "cpu":
-            self.k = pinned.host_empty(shape, dtype, pin=True, what="KV pool")  # [L, Hkv, NB, bs, D]
-            pin_v = pinned.is_registered(self.k) or _pinned(self.k)  # no second try (and warning) when K failed
-            self.v = pinned.host_empty(shape[:-1] + (dv,), dtype, pin=pin_v, what="KV pool (V)")
+        if torch.device(device).type == "cpu":
+            # pages are committed only when first written (an idle pool costs address space only);
+            # huge pages asked for before any touch (pinning touches them all): attention's reads
+            # jump between blocks
+            self.k = pinned.host_empty(shape, dtype, pin=pin, what="KV pool", huge=True)  # [L, Hkv, NB, bs, D]
+            pin_v = pin and (pinned.is_registered(self.k) or _pinned(self.k))  # no second try when K failed
+            self.v = pinned.host_empty(shape[:-1] + (dv,), dtype, pin=pin_v, what="KV pool (V)", huge=True)
         else:
-            # torch.empty: pages are committed only when first written, so an idle pool costs address space only
             self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, Hkv, NB, bs, D]
             self.v = torch.empty(shape[:-1] + (dv,), dtype=dtype, device=device)  # [L, Hkv, NB, bs, Dv]
-        for t in (self.k, self.v):  # before the first touch: attention's reads jump between blocks
-            huge_pages.advise(t)
         self.pinned = bool(pin and (pinned.is_registered(self.k) or _pinned(self.k)))  # pinning can fail
         elem = self.k.element_size()
         self.bytes_per_token = num_layers * num_kv_heads * (head_dim + dv) * elem
@@ -91,11 +147,10 @@ class KVPool:
 
     @classmethod
     def of(cls, geo: KVGeometry, dtype: torch.dtype, compute_device: torch.device | str = "cpu") -> "KVPool":
-        """A host pool of geometry `geo` for a run computing on `compute_device`: pinned when
-        that is a CUDA device."""
-        pin = torch.device(compute_device).type == "cuda"
+        """A host pool of geometry `geo` for a run computing on `compute_device`: pageable on
+        every device (see the module docstring: nothing DMAs from it)."""
         return cls(geo.layers, geo.heads, geo.k_dim, block_size=geo.block_size, num_blocks=geo.num_blocks,
-                   dtype=dtype, device="cpu", v_head_dim=geo.v_dim, pin=pin)
+                   dtype=dtype, device="cpu", v_head_dim=geo.v_dim, pin=False)
 
     def zero(self, blocks: list[int]) -> None:
         """Zero `blocks` in every layer, so the unwritten tail of a sequence's last block (read,

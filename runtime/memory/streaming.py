@@ -13,26 +13,41 @@ Two policies with one interface (`enter`, `get`, `experts`; `KVStaging.submit/ac
     and only experts some token chose; the KV of attention micro-batches goes through two
     buffers (micro-batch j+1, or the next layer's first, is gathered while j computes).
 
-On CUDA every host->device copy goes from pinned memory on the copy engine's stream: weights
-through two pinned staging buffers used in turn (`Copier`: the memmove of one tensor or
-chunk overlaps the DMA of the one before, and all are enqueued back to back), gathered KV
-through a pinned staging area per KV buffer; the host waits only when it reuses a staging
-buffer whose DMA is still running, and a slot or KV buffer is overwritten only after the
-compute stream's release event, which the copy stream (not the host) waits for.
+On CUDA every host->device copy goes from pinned memory on a copy-engine lane's stream:
+streamed weights straight from their page-locked pages where the weight path allows
+(memory/weight_path.py, taken by memory/pinned_weights.py at start-up: "registered-mmap" or
+"pinned-copy"; `StreamedWeights.weight_path` says which), otherwise through two pinned
+staging buffers per lane used in turn (`Copier`: the multi-threaded memmove of one chunk
+overlaps the DMA of the one before, and all are enqueued back to back); gathered KV through
+a pinned staging area per KV buffer. The host waits only when it reuses a staging buffer
+whose DMA is still running, and a slot or KV buffer is overwritten only after the compute
+stream's release event, which the copy stream (not the host) waits for.
+
+Copy order (memory/copy_engine.py lanes): the experts the router chose are fetched on the
+"urgent" lane, never queued behind the next module's dense prefetch or the next KV gather
+(the "normal" lane, which also carries experts fetched ahead of routing). A slot remembers
+the ticket of the copy that filled it: its next fill waits for that one (on either lane), a
+cached slot is handed out with it, and an expert fetched ahead that no row chose is
+cancelled if its copy has not started. Race amplification (copy_engine.RaceAmplifier)
+poisons a slot when it is given to another unit (a free slot still holding its unit is a
+cache, not garbage) and a KV buffer as soon as it is released.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from moecc_runtime.memory.arena import ALIGN, ArenaError, DeviceArena, Region, align
-from moecc_runtime.memory.copy_engine import CopyEngine, CopyError, Ticket
-from moecc_runtime.memory import pinned
+from moecc_runtime.memory.copy_engine import LANES, CopyEngine, CopyError, RaceAmplifier, Ticket
+from moecc_runtime.memory import pinned, pinned_weights
+from moecc_runtime.memory.weight_path import WeightPath, other_host_bytes, streamed_keys
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.weights import WeightError, WeightStore
 from moecc_runtime import formats
@@ -59,6 +74,8 @@ def _placed(t: torch.Tensor) -> int:
 
 class InPlaceWeights:
     """No arena: read weights where they are."""
+
+    weight_path: WeightPath | None = None  # nothing is copied to a device
 
     def __init__(self, store: WeightStore):
         self.store = store
@@ -94,32 +111,54 @@ class _Slot:
     nbytes: int
     unit: Any = None  # what it holds (module index or (op, expert)); None when free
     release: Any = None  # CUDA event recorded when compute last used it
+    fill: Ticket | None = None  # the copy that last filled it (a cached hand-out waits on it)
+
+    @property
+    def bytes(self) -> torch.Tensor:
+        """[nbytes] uint8: the slot's arena bytes (what race amplification poisons)."""
+        return self.region.base[self.offset:self.offset + self.nbytes]
 
 
 class _SlotPool:
-    def __init__(self, region: Region, n: int, slot_bytes: int):
+    def __init__(self, region: Region, n: int, slot_bytes: int, race: RaceAmplifier | None = None):
         stride = align(slot_bytes)  # every slot starts aligned
         self.slots = [_Slot(i, region, i * stride, slot_bytes) for i in range(n)]
         self._free = deque(self.slots)
+        self.race = race
 
-    def acquire(self, unit: Any) -> tuple[_Slot, bool]:
-        """A slot for `unit`: a free one that still holds it (True: nothing to copy), else
-        the least recently freed (which keeps recent units around for reuse)."""
-        held = next((s for s in self._free if s.unit == unit), None)
+    def acquire(self, unit: Any) -> tuple[_Slot, Ticket | None]:
+        """A slot for `unit`: a free one that still holds it, with the ticket of the copy that
+        filled it (nothing to copy; the user waits on that copy), else the least recently freed
+        (which keeps recent units around for reuse) and None."""
+        held = next((s for s in self._free if s.unit == unit and _valid_fill(s.fill)), None)
         if held is not None:
             self._free.remove(held)
-            return held, True
+            return held, held.fill
         if not self._free:
             raise RuntimeError("copy engine: no free weight slot (the runtime released too few)")
         s = self._free.popleft()
         s.unit = unit
-        return s, False
+        return s, None
 
     def release(self, s: _Slot) -> None:
-        if s.region.base.is_cuda:
-            s.release = torch.cuda.Event()
-            s.release.record(torch.cuda.current_stream())
+        """Compute is done with `s` (on CUDA: once the compute stream passes this point)."""
+        device = s.region.base.device
+        if self.race is not None:
+            self.race.delay(torch.cuda.current_stream(device) if device.type == "cuda" else None)
+        if device.type == "cuda":
+            s.release = torch.cuda.Event(blocking=True)
+            s.release.record(torch.cuda.current_stream(device))
         self._free.append(s)
+
+
+def _valid_fill(t: Ticket | None) -> bool:
+    """Whether the copy `t` filled (or will fill) its slot: not cancelled, not failed."""
+    return t is not None and not t.skipped and t._error is None
+
+
+def _default_threads() -> int:
+    """Threads memmoving staged chunks: half the cores, 1 to 8 (compute needs the rest)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class _Staging:
@@ -129,7 +168,7 @@ class _Staging:
 
     def __init__(self, n: int, nbytes: int):
         self.bufs = [pinned.host_empty((nbytes,), torch.uint8, pin=True, what="copy staging") for _ in range(n)]
-        self.events = [torch.cuda.Event() for _ in range(n)]
+        self.events = [torch.cuda.Event(blocking=True) for _ in range(n)]
         self._next = 0
 
     def take(self) -> tuple[torch.Tensor, Any]:
@@ -146,52 +185,89 @@ class _Staging:
 
 
 class Copier:
-    """Host tensors into arena views, on the copy engine's thread. On CUDA through
-    `STAGING_BUFFERS` pinned staging buffers of up to `CHUNK` bytes used in turn: a tensor
-    (or a chunk of a big one) is memmoved into one while the DMA out of the other runs, and
-    every copy is enqueued back to back on the copy stream; the host waits only when it
-    comes back to a buffer whose DMA has not finished. On a CPU a plain memmove
-    (single-threaded, the GIL released), so page faults on the mmap land on the copy
-    thread, not on compute."""
+    """Host tensors into arena views, on a copy-engine lane's thread. On CUDA a source in
+    page-locked memory (`pins`: the streamed weights, memory/pinned_weights.py) is one DMA
+    straight into the arena; any other goes through `STAGING_BUFFERS` pinned staging buffers
+    of up to `CHUNK` bytes per lane, used in turn: a chunk is memmoved into one (split across
+    `threads` threads) while the DMA out of the other runs, every copy enqueued back to back
+    on the lane's stream; the host waits only when it comes back to a buffer whose DMA has
+    not finished. On a CPU a plain memmove (the GIL released), so page faults on the mmap
+    land on the copy thread, not on compute."""
 
     CHUNK = 8 << 20
     STAGING_BUFFERS = 2
 
-    def __init__(self, device: torch.device, staging_bytes: int):
+    def __init__(self, device: torch.device, staging_bytes: int, threads: int | None = None):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.chunk = max(ALIGN, min(align(staging_bytes), self.CHUNK))
-        self.ring = _Staging(self.STAGING_BUFFERS, self.chunk) if self.cuda else None
+        self.rings = {lane: _Staging(self.STAGING_BUFFERS, self.chunk) for lane in LANES} if self.cuda else {}
+        self.ring = self.rings.get("normal")
+        self.threads = int(threads or _default_threads())
+        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="moecc-stage") \
+            if self.cuda and self.threads > 1 else None
+        self.pins: Any = None  # a pinned_weights.WeightPins: sources DMA'd without staging
+        self.race: RaceAmplifier | None = None  # set by StreamedWeights from its copy engine
+        self.direct_bytes = 0  # bytes DMA'd straight from pinned sources
+        self.staged_bytes = 0  # bytes memmoved through staging (CUDA) or into the arena (CPU)
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: _Slot | None) -> None:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: _Slot | None, lane: str = "normal") -> None:
         """pairs: (host source, arena destination), all destinations inside `slot` (if given)."""
         if slot is not None and slot.release is not None:  # not handed to the engine as `after`
             if self.cuda:
-                torch.cuda.current_stream().wait_event(slot.release)  # on the device
+                torch.cuda.current_stream(self.device).wait_event(slot.release)  # on the device
             else:
                 slot.release.synchronize()
             slot.release = None
         if not self.cuda:
             for src, dst in pairs:
-                ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+                n = src.numel() * src.element_size()
+                ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+                self.staged_bytes += n
             return
-        assert self.ring is not None
-        stream = torch.cuda.current_stream()  # the copy engine's stream
+        stream = torch.cuda.current_stream(self.device)  # the lane's stream (the engine set it)
         for src, dst in pairs:
             n = src.numel() * src.element_size()
             if dst.numel() * dst.element_size() != n:
                 raise CopyError(f"copy engine: {n} B source into a {dst.numel() * dst.element_size()} B view")
-            out = dst.view(-1).view(torch.uint8)
-            ptr = src.data_ptr()
-            for off in range(0, n, self.chunk):
-                c = min(self.chunk, n - off)
-                buf, done = self.ring.take()
-                ctypes.memmove(buf.data_ptr(), ptr + off, c)
-                out[off:off + c].copy_(buf[:c], non_blocking=True)
-                done.record(stream)
+            if self.pins is not None and self.pins.covers(src):
+                dst.copy_(src, non_blocking=True)  # one DMA from page-locked memory
+                self.direct_bytes += n
+                continue
+            self._staged(src, dst.view(-1).view(torch.uint8), n, self.rings[lane], stream)
+
+    def _staged(self, src: torch.Tensor, out: torch.Tensor, n: int, ring: _Staging, stream: Any) -> None:
+        """`n` bytes of `src` into `out` [n] uint8 through the staging ring, chunk by chunk."""
+        ptr = src.data_ptr()
+        for off in range(0, n, self.chunk):
+            c = min(self.chunk, n - off)
+            buf, done = ring.take()
+            self._memmove(buf.data_ptr(), ptr + off, c)
+            out[off:off + c].copy_(buf[:c], non_blocking=True)
+            done.record(stream)
+            if self.race is not None:  # the buffer is free once its DMA is: poison it then
+                done.synchronize()
+                self.race.poison(buf)
+        self.staged_bytes += n
+
+    def _memmove(self, dst: int, src: int, n: int) -> None:
+        """memmove, split across the copier's threads for big chunks (1 MiB pieces or more)."""
+        parts = min(self.threads, max(1, n >> 20)) if self._pool is not None else 1
+        if parts == 1:
+            ctypes.memmove(dst, src, n)
+            return
+        step = -(-n // parts)
+        futs = [self._pool.submit(ctypes.memmove, dst + o, src + o, min(step, n - o))  # type: ignore[union-attr]
+                for o in range(step, n, step)]
+        ctypes.memmove(dst, src, min(step, n))
+        for f in futs:
+            f.result()
 
     def close(self) -> None:
-        if self.ring is not None:
-            self.ring.close()
+        for ring in self.rings.values():
+            ring.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class StreamedWeights:
@@ -201,6 +277,7 @@ class StreamedWeights:
                  copier: Copier):
         lay = plan["arena"]
         self.store, self.arena, self.engine, self.copier = store, arena, engine, copier
+        self.plan = plan
         self.schedule = plan["schedule"]
         self._op_layer = {op["name"]: m.get("layer") for m in self.schedule for op in m["ops"]}
         resident = set(lay["resident"])
@@ -223,13 +300,34 @@ class StreamedWeights:
                     self.resident_experts.add(op["name"])
                     res_keys += list(op["weights"].values())
         self._load_resident(res_keys)
+        self.race = engine.race
+        copier.race = self.race
         dense, n, expert = int(lay["dense_slot_bytes"]), int(lay["expert_slots"]), int(lay["expert_slot_bytes"])
-        self.dense = _SlotPool(arena.region("dense_slots", 2 * align(dense)), 2, dense)
-        self.expert_pool = _SlotPool(arena.region("expert_slots", n * align(expert)), n, expert)
+        self.dense = _SlotPool(arena.region("dense_slots", 2 * align(dense)), 2, dense, self.race)
+        self.expert_pool = _SlotPool(arena.region("expert_slots", n * align(expert)), n, expert, self.race)
         self._pending: dict[int, tuple[_Slot, Ticket, dict[str, torch.Tensor]]] = {}
         self._holding: _Slot | None = None  # the running module's dense slot
         self._spec: dict[str, list[tuple[_Slot, Ticket, dict[str, torch.Tensor], int]]] = {}  # fetched ahead of routing
         self.streamed = [i for i, u in enumerate(self.units) if u]
+        self.pins = pinned_weights.pin_streamed(store, self._streamed_keys(), arena.device, other_host_bytes(plan))
+        copier.pins = self.pins if self.pins.pinned_bytes else None
+
+    @property
+    def weight_path(self) -> WeightPath:
+        """How the streamed weights reach the device (memory/weight_path.py), as taken."""
+        return self.pins.path
+
+    def _streamed_keys(self) -> list[str]:
+        """Every weight that goes through a slot (weight_path.streamed_keys: the rule's figure
+        and the runtime's pins agree), checked against this object's own split."""
+        keys = streamed_keys(self.plan)
+        mine = {k for u in self.units if u for k in u} | {
+            k for m in self.schedule for op in m["ops"]
+            if op["op"] == "experts" and op["name"] not in self.resident_experts for k in op["weights"].values()}
+        if set(keys) != mine:
+            raise WeightError("the plan's streamed weights and the runtime's slots disagree (a runtime bug: "
+                              "weight_path.streamed_keys and StreamedWeights split residency differently)")
+        return keys
 
     # -- resident weights: copied in once -------------------------------------------------
     def _load_resident(self, keys: list[str]) -> None:
@@ -266,22 +364,33 @@ class StreamedWeights:
                 off += _placed(src)
         return views, pairs, off
 
-    def _submit_unit(self, pool: _SlotPool, unit: Any, keys: list[str], what: str, layer: int | None):
-        """Fetch `unit` (its weights `keys`) into a slot of `pool`: (slot, ticket, views). A free
-        slot still holding the unit is reused without a copy."""
-        slot, held = pool.acquire(unit)
+    def _submit_unit(self, pool: _SlotPool, unit: Any, keys: list[str], what: str, layer: int | None,
+                     lane: str = "normal"):
+        """Fetch `unit` (its weights `keys`) into a slot of `pool` on copy lane `lane`: (slot,
+        ticket, views). A free slot still holding the unit is reused without a copy, with the
+        ticket of the copy that filled it (still running, perhaps, on the other lane)."""
+        slot, cached = pool.acquire(unit)
         try:
             views, pairs, nbytes = self._place(slot, keys, what)
         except (WeightError, ArenaError):
             slot.unit = None
             pool.release(slot)
             raise
-        if held:
-            return slot, self.engine.submit("cached", 0, lambda: None), views
+        if cached is not None:
+            return slot, cached, views
         after, slot.release = [slot.release], None  # CUDA: the copy stream waits for compute's last use
-        ticket = self.engine.submit(what, nbytes, lambda: self.copier.copy(pairs, slot), kind="fetch", layer=layer,
-                                    after=after)
-        return slot, ticket, views
+        race, copier, device = self.race, self.copier, self.arena.device
+
+        def fill() -> None:
+            if race is not None:  # the slot's old content is garbage from here: make it loud
+                race.poison(slot.bytes)
+                race.delay(torch.cuda.current_stream(device) if device.type == "cuda" else None)
+            copier.copy(pairs, slot, lane)
+
+        # deps: the slot's previous fill (perhaps on the other lane) lands before this one
+        slot.fill = self.engine.submit(what, nbytes, fill, kind="fetch", layer=layer, after=after, lane=lane,
+                                       deps=[slot.fill])
+        return slot, slot.fill, views
 
     # -- dense weights: two slots, the next streamed module fetched while one computes ----
     def enter(self, index: int) -> None:
@@ -347,11 +456,17 @@ class StreamedWeights:
                               layer) + (e,) for e in range(n)]
 
     def _drop_speculated(self, keep: str | None = None) -> None:
-        """Free the slots of experts fetched ahead for any op but `keep`. The copy engine runs
-        jobs in order, so a slot's next copy starts only after the dropped one finished."""
+        """Free the slots of experts fetched ahead for any op but `keep`."""
         for name in [n for n in self._spec if n != keep]:
-            for slot, *_ in self._spec.pop(name):
-                self.expert_pool.release(slot)
+            for slot, t, *_ in self._spec.pop(name):
+                self._drop(slot, t)
+
+    def _drop(self, slot: _Slot, ticket: Ticket) -> None:
+        """Free an expert slot no row needs: its copy is cancelled if it has not started (the
+        slot then holds nothing), else the slot's next fill waits for it (`deps`)."""
+        if ticket.cancel():
+            slot.unit = None
+        self.expert_pool.release(slot)
 
     def experts(self, op: dict, used: list[int]) -> Iterator[ExpertWeights]:
         if op["name"] in self.resident_experts:
@@ -365,13 +480,13 @@ class StreamedWeights:
         todo = deque(used)
         while todo and todo[0] in ahead:  # they run first, in `used` order
             inflight.append(ahead.pop(todo.popleft()))
-        for slot, *_ in ahead.values():  # chosen by no row (or out of order): only their copy was spent
-            pool.release(slot)
+        for slot, t, *_ in ahead.values():  # chosen by no row (or out of order): only their copy was spent
+            self._drop(slot, t)
 
-        def submit() -> None:
+        def submit() -> None:  # on the urgent lane: compute waits for these next
             e = todo.popleft()
             slot, t, views = self._submit_unit(pool, (op["name"], e), expert_keys(op, e), f"expert {e} of {op['name']}",
-                                               self._op_layer.get(op["name"]))
+                                               self._op_layer.get(op["name"]), lane="urgent")
             inflight.append((slot, t, views, e))
 
         try:
@@ -402,6 +517,7 @@ class StreamedWeights:
     def close(self) -> None:
         self.engine.drain()
         self.copier.close()
+        self.pins.close()  # after the drain: no copy reads the pinned weights any more
 
 
 @dataclass
@@ -444,7 +560,7 @@ class KVStaging:
             if self.device.type == "cuda":
                 for b in self.bufs:
                     b.staging = pinned.host_empty((nk + nv,), self.kv.k.dtype, pin=True, what="KV staging")
-                    b.staged = torch.cuda.Event()
+                    b.staged = torch.cuda.Event(blocking=True)
 
     def close(self) -> None:
         for b in self.bufs:
@@ -474,22 +590,32 @@ class KVStaging:
 
     def submit(self, key: Any, layer: int, blocks: torch.Tensor) -> None:
         """Start gathering `blocks` of `layer` for `key` into a free buffer (no-op if it
-        already is; with no copy engine, nothing happens until `acquire`)."""
+        already is; with no copy engine, nothing happens until `acquire`). guarantees: when
+        it raises, no buffer is left claimed."""
         if self.engine is None or any(b.key == key for b in self.bufs):
             return
         free = [b for b in self.bufs if b.key is None]
         if not free:
             return  # both busy: `acquire` fills it when one frees
         buf = free[0]
-        buf.key = key
         nb = blocks.numel()
         if nb > (self.cap_blocks or 0):
             raise ArenaError(f"device arena: a micro-batch needs {nb} KV blocks but a KV buffer holds "
                              f"{self.cap_blocks}; the runtime split micro-batches wrongly")
-        hk = buf.k[:nb * self.k_elems].view(self._shape(nb))
-        hv = buf.v[:nb * self.v_elems].view(self._shape(nb, v=True))
         nbytes = nb * (self.k_elems + self.v_elems) * self.kv.k.element_size()
-        release, buf.release = buf.release, None  # CUDA: the copy stream waits for it (`after`)
+        fill = self._filler(buf, layer, blocks)
+        # CUDA: the copy stream waits for compute's release of the buffer (`after`), not the host
+        ticket = self.engine.submit(f"KV of layer {layer} ({nb} blocks)", nbytes, fill, kind="kv_load", layer=layer,
+                                    after=[buf.release])
+        buf.key, buf.ticket, buf.release = key, ticket, None  # claimed only once it is queued
+
+    def _filler(self, buf: _KVBuf, layer: int, blocks: torch.Tensor) -> Callable[[], None]:
+        """The copy-engine job that gathers `blocks` of `layer` into `buf` (on CUDA through its
+        pinned staging and a copy on the lane's stream)."""
+        nb = blocks.numel()
+        hk = buf.k[:nb * self.k_elems].view(self._shape(nb))  # [Hkv, nb, bs, D] on the compute device
+        hv = buf.v[:nb * self.v_elems].view(self._shape(nb, v=True))
+        race = self.engine.race if self.engine is not None else None
 
         def fill() -> None:
             if buf.staging is None:  # a CPU arena: gather straight into it
@@ -497,15 +623,17 @@ class KVStaging:
                 return
             nk, nv = nb * self.k_elems, nb * self.v_elems
             buf.staged.synchronize()  # the previous copy out of this staging is done
-            sk = buf.staging[:nk].view(self._shape(nb))
+            sk = buf.staging[:nk].view(self._shape(nb))  # [Hkv, nb, bs, D] pinned host
             sv = buf.staging[nk:nk + nv].view(self._shape(nb, v=True))
             self.kv.gather(layer, blocks, sk, sv)
             hk.copy_(sk, non_blocking=True)
             hv.copy_(sv, non_blocking=True)
-            buf.staged.record(torch.cuda.current_stream())
+            buf.staged.record(torch.cuda.current_stream(self.device))
+            if race is not None:  # the staging is free once its copy is: poison it then
+                buf.staged.synchronize()
+                race.poison(buf.staging)
 
-        buf.ticket = self.engine.submit(f"KV of layer {layer} ({nb} blocks)", nbytes, fill, kind="kv_load", layer=layer,
-                                        after=[release])
+        return fill
 
     def acquire(self, key: Any, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gathered KV [Hkv, nb, bs, D] x2 for `key` on the compute device."""
@@ -530,12 +658,31 @@ class KVStaging:
                 buf.v[:nb * self.v_elems].view(self._shape(nb, v=True)))
 
     def release(self, key: Any) -> None:
+        """Compute is done with `key`'s buffer (on CUDA: once the compute stream passes here)."""
+        race = self.engine.race if self.engine is not None else None
         for b in self.bufs:
-            if b.key == key:
-                if b.k.is_cuda:
-                    b.release = torch.cuda.Event()
-                    b.release.record(torch.cuda.current_stream())
-                b.key, b.ticket = None, None
+            if b.key != key:
+                continue
+            cuda = b.k.is_cuda
+            stream = torch.cuda.current_stream(b.k.device) if cuda else None
+            if race is not None:
+                race.delay(stream)
+            if cuda:
+                b.release = torch.cuda.Event(blocking=True)
+                b.release.record(stream)
+            b.key, b.ticket = None, None
+            if race is not None:
+                self._poison(b, race)
+
+    def _poison(self, b: _KVBuf, race: RaceAmplifier) -> None:
+        """Race amplification: a released KV buffer is garbage at once (CUDA: on the copy
+        stream, after compute's release; it is refilled after that on the same lane)."""
+        if not b.k.is_cuda:
+            race.poison(b.k)
+            race.poison(b.v)
+            return
+        assert self.engine is not None
+        self.engine.submit("poison KV buffer", 0, lambda: (race.poison(b.k), race.poison(b.v)), after=[b.release])
 
 
 __all__ = ["ALIGN", "Copier", "InPlaceWeights", "KVStaging", "StreamedWeights", "speculates"]

@@ -62,6 +62,10 @@ class WeightStore:
         self.compute_dtype = compute_dtype
         self.keep = frozenset(keep)
         self._maps: dict[str, mmap.mmap] = {}
+        self._bases: dict[str, torch.Tensor] = {}  # path -> [file bytes] uint8 over its mapping
+        # CUDA: read-only shared mappings, so the streamed weights can be page-locked in place
+        # (memory/pinned_weights.py) without copy-on-write doubling them; nothing writes them
+        self.read_only = torch.device(device).type == "cuda"
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict[str, torch.Tensor] = {}
         self._stored: dict[str, dict[str, torch.Tensor]] = {}  # quantized weights' stored tensors (host)
@@ -87,8 +91,9 @@ class WeightStore:
             try:
                 with open(path, "rb") as f:
                     # ACCESS_COPY: a private, writable (copy-on-write) view, so torch.frombuffer
-                    # needs no copy and never writes back to the checkpoint
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                    # needs no copy and never writes back to the checkpoint; ACCESS_READ on CUDA
+                    # (see __init__): a write through it would fault, and none is made
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ if self.read_only else mmap.ACCESS_COPY)
                 if hasattr(mmap, "MADV_WILLNEED"):  # start the kernel's read-ahead now, off our threads
                     m.madvise(mmap.MADV_WILLNEED)
             except OSError as e:
@@ -127,6 +132,29 @@ class WeightStore:
             parts = self._stored[key] = {name: self._view(e, f"{key}.{name}")
                                          for name, e in formats.stored_entries(entry).items()}
         return parts
+
+    def mapping(self, t: torch.Tensor) -> tuple[Path, torch.Tensor] | None:
+        """The file whose mapping host tensor `t` lies in, and [file bytes] uint8 over that
+        mapping; None for a tensor that is not a view of a mapped file (a cast copy)."""
+        ptr = t.data_ptr()
+        for name, m in self._maps.items():
+            base = self._bases.get(name)
+            if base is None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a read-only mapping: torch warns, and never writes
+                    base = self._bases[name] = torch.frombuffer(m, dtype=torch.uint8) if len(m) else \
+                        torch.empty(0, dtype=torch.uint8)
+            if base.numel() and base.data_ptr() <= ptr < base.data_ptr() + base.numel():
+                return Path(name), base
+        return None
+
+    def rebase(self, key: str, parts: dict[str, torch.Tensor]) -> None:
+        """Serve weight `key` from `parts` (its stored tensors, by part name, as `stored`
+        returns them, e.g. copies in page-locked memory) from now on."""
+        if formats.is_dense(self._entry(key)):
+            self._host[key] = parts["data"]
+        else:
+            self._stored[key] = dict(parts)
 
     def _entry(self, key: str) -> dict[str, Any]:
         entry = self.manifest.get(key)
@@ -186,6 +214,7 @@ class WeightStore:
         return dev
 
     def close(self) -> None:
+        self._bases.clear()
         self._host.clear()
         self._stored.clear()
         self._device_parts.clear()
