@@ -11,6 +11,9 @@ asynchronously: KVPool.store) and into that buffer, and attention runs there: de
 sequences grouped by how many blocks they span (one batched call per group, masking only
 the unused tail of each sequence's last block, never padding to the longest), prefill
 chunks one sequence at a time with a causal mask. Which blocks a micro-batch reads, per sliding window, is its `KVView`.
+A view is built once per micro-batch, window and device, so every layer of the step shares its
+index tensors: they are made on the host and sent to the device once (syncs.to_device: no
+stall), never copied per layer.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from moecc_runtime.memory.kv import KVPool
+from moecc_runtime.syncs import to_device
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.batch import MicroBatch
 
@@ -29,11 +33,11 @@ from moecc_runtime.worker.batch import MicroBatch
 class DecodeGroup:
     """Decoding sequences of a micro-batch that span the same number of KV blocks."""
 
-    rows: torch.Tensor  # [S] their rows in the micro-batch
+    rows: torch.Tensor  # [S] their rows in the micro-batch (on the view's device)
     first: int  # their blocks' offset in the gathered buffer
     S: int
     n: int  # blocks per sequence
-    mask: torch.Tensor  # [S, n*bs] True where a key position may be attended
+    mask: torch.Tensor  # [S, n*bs] True where a key position may be attended (on the view's device)
 
 
 @dataclass
@@ -47,26 +51,28 @@ class PrefillChunk:
 
 @dataclass
 class KVView:
-    blocks: torch.Tensor  # [nb] physical blocks to gather, in buffer order
+    blocks: torch.Tensor  # [nb] physical blocks to gather, in buffer order (on the host: the gather reads it)
     decode_groups: list[DecodeGroup]
     prefill: list[PrefillChunk]
-    new_blocks: torch.Tensor  # [t] where each row's new K/V lies in the gathered buffer: block
-    new_offsets: torch.Tensor  # [t] and offset in it
+    new_blocks: torch.Tensor  # [t] where each row's new K/V lies in the gathered buffer: block (view's device)
+    new_offsets: torch.Tensor  # [t] and offset in it (view's device)
 
 
 def blocks_needed(ctx: int, bs: int) -> int:
     return -(-ctx // bs)
 
 
-def kv_view(mb: MicroBatch, window: int | None, bs: int) -> KVView:
-    """Which blocks attention of `mb` reads, per sliding-window size (None = full); built
-    once per micro-batch and window."""
-    if window not in mb.views:
-        mb.views[window] = _build_view(mb, window, bs)
-    return mb.views[window]
+def kv_view(mb: MicroBatch, window: int | None, bs: int, device: torch.device = torch.device("cpu")) -> KVView:
+    """Which blocks attention of `mb` reads, per sliding-window size (None = full), with its
+    index tensors on `device`; built once per micro-batch, window and device."""
+    key = (window, device.type)
+    view = mb.views.get(key)
+    if view is None:
+        view = mb.views[key] = _build_view(mb, window, bs, device)
+    return view
 
 
-def _build_view(mb: MicroBatch, window: int | None, bs: int) -> KVView:
+def _build_view(mb: MicroBatch, window: int | None, bs: int, device: torch.device) -> KVView:
     """Prefill chunks first (their whole context), then the decoding sequences by blocks spanned."""
     blocks: list[int] = []
     by_n: dict[int, list[tuple[int, int, int]]] = {}  # n blocks -> (item index, first block, ctx)
@@ -84,14 +90,14 @@ def _build_view(mb: MicroBatch, window: int | None, bs: int) -> KVView:
         for i in range(n):
             new_b[row + i], new_o[row + i] = len(blocks) + (start + i) // bs, (start + i) % bs
         blocks.extend(mb.tables[idx][:nb])
-    groups = [_decode_group(mb, members, nblk, window, bs, blocks, new_b, new_o)
+    groups = [_decode_group(mb, members, nblk, window, bs, blocks, new_b, new_o, device)
               for nblk, members in sorted(by_n.items())]
     return KVView(torch.tensor(blocks, dtype=torch.long), groups, prefill,
-                  torch.tensor(new_b, dtype=torch.long), torch.tensor(new_o, dtype=torch.long))
+                  to_device(new_b, device, torch.long), to_device(new_o, device, torch.long))
 
 
 def _decode_group(mb: MicroBatch, members: list[tuple[int, int, int]], nblk: int, window: int | None, bs: int,
-                  blocks: list[int], new_b: list[int], new_o: list[int]) -> DecodeGroup:
+                  blocks: list[int], new_b: list[int], new_o: list[int], device: torch.device) -> DecodeGroup:
     """Append the blocks of decoding sequences spanning `nblk` blocks to `blocks` (and where
     their new K/V lie to new_b / new_o); their group with its key mask."""
     first = len(blocks)
@@ -107,8 +113,8 @@ def _decode_group(mb: MicroBatch, members: list[tuple[int, int, int]], nblk: int
     mask = pos < ctxs
     if window is not None:
         mask &= pos > ctxs - 1 - window
-    rows = torch.tensor([mb.items[idx][1] for idx, _, _ in members])
-    return DecodeGroup(rows, first, len(members), nblk, mask)
+    rows = [mb.items[idx][1] for idx, _, _ in members]
+    return DecodeGroup(to_device(rows, device, torch.long), first, len(members), nblk, to_device(mask, device))
 
 
 def project_qkv(op: dict, x: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor):
@@ -129,12 +135,14 @@ def project_qkv(op: dict, x: torch.Tensor, w: dict[str, torch.Tensor], rope: tor
 class GatheredAttention:
     """Attention on the compute device over the micro-batch's KV gathered there."""
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, device: torch.device = torch.device("cpu")):
+        """`device`: the compute device (where the views' index tensors go)."""
         self.pool = pool
+        self.device = torch.device(device)
 
     def blocks(self, mb: MicroBatch, window: int | None) -> torch.Tensor:
         """[nb] the pool blocks attention of `mb` reads (what KV staging gathers for it)."""
-        return kv_view(mb, window, self.pool.block_size).blocks
+        return kv_view(mb, window, self.pool.block_size, self.device).blocks
 
     def __call__(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch,
                  kv: tuple[torch.Tensor, torch.Tensor], w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -146,7 +154,7 @@ class GatheredAttention:
         q, k, v, finish = project_qkv(op, x, w, rope)
         # kv_store: on CUDA asynchronous (device->host stream, pinned), in the pool by the step's end
         self.pool.store(a["layer_index"], mb.write_blocks, mb.write_offsets, k, v)
-        view = kv_view(mb, a.get("sliding_window"), self.pool.block_size)
+        view = kv_view(mb, a.get("sliding_window"), self.pool.block_size, self.device)
         kbuf, vbuf = _store_new(kv, view, k, v, a)
         out = torch.empty((x.shape[0], q.shape[1] * vbuf.shape[-1]), dtype=q.dtype, device=q.device)  # [t, Hq*Dv]
         sinks = w.get("sinks")  # gpt-oss: one extra softmax logit per query head [Hq]
@@ -166,7 +174,7 @@ def _store_new(kv: tuple[torch.Tensor, torch.Tensor], view: KVView, k: torch.Ten
     """Write the micro-batch's new K/V [t, Hkv, D] into the gathered buffers; the buffers to
     attend over (latent attention: the values are the latent part of the key)."""
     kbuf, vbuf = kv
-    nb_idx, off = view.new_blocks.to(kbuf.device), view.new_offsets.to(kbuf.device)
+    nb_idx, off = view.new_blocks, view.new_offsets  # [t] on the device
     kbuf[:, nb_idx, off] = k.transpose(0, 1).to(kbuf.dtype)  # [Hkv, t, D]
     if vbuf.shape[-1]:
         vbuf[:, nb_idx, off] = v.transpose(0, 1).to(vbuf.dtype)
@@ -185,10 +193,10 @@ def attend_decode(out: torch.Tensor, q: torch.Tensor, kbuf: torch.Tensor, vbuf: 
         vg = vbuf[:, g.first:g.first + g.S * g.n].reshape(Hkv, g.S, g.n * bs, Dv)
         qg = q[g.rows].view(g.S, Hkv, G, D).transpose(0, 1)  # [Hkv, S, G, D]
         if sinks is None:
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask.to(q.device)[None, :, None, :],
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask[None, :, None, :],
                                                scale=a["scaling"])  # [Hkv, S, G, Dv]
         else:  # [S, Hkv, G, 1, D] queries over [S, Hkv, 1, c, D] keys
             o = kernels.sink_attention(qg.transpose(0, 1)[:, :, :, None], kg.transpose(0, 1)[:, :, None],
-                                       vg.transpose(0, 1)[:, :, None], g.mask.to(q.device)[:, None, None, None, :],
+                                       vg.transpose(0, 1)[:, :, None], g.mask[:, None, None, None, :],
                                        a["scaling"], sinks)[:, :, :, 0].transpose(0, 1)
-        out[g.rows.to(q.device)] = o.transpose(0, 1).reshape(g.S, -1).to(out.dtype)
+        out[g.rows] = o.transpose(0, 1).reshape(g.S, -1).to(out.dtype)

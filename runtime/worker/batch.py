@@ -8,14 +8,11 @@ step, t = rows of one micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from moecc_runtime.scheduler.step_plan import SeqChunk, StepPlan
-
-if TYPE_CHECKING:
-    from moecc_runtime.worker.attention import KVView
 
 
 @dataclass
@@ -30,7 +27,9 @@ class MicroBatch:
     write_offsets: torch.Tensor  # [t]
     index: int = 0  # which micro-batch of the step
     host: bool = False  # attention on the host over the pool in place (worker/host_attention.py)
-    views: dict[int | None, KVView] = field(default_factory=dict)  # sliding window -> its KV view
+    #: the micro-batch's attention views, built once per step: (window, device kind) -> its KVView,
+    #: ("host", window) -> its host_attention.HostView
+    views: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -48,9 +48,9 @@ class HostView:
 def host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
     """Built once per micro-batch and window (cached beside its KV views)."""
     key = ("host", window)
-    view = mb.views.get(key)  # type: ignore[call-overload]
+    view = mb.views.get(key)
     if view is None:
-        view = mb.views[key] = _build_host_view(mb, window, bs)  # type: ignore[index]
+        view = mb.views[key] = _build_host_view(mb, window, bs)
     return view
 
 

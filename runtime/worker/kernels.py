@@ -14,6 +14,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from moecc_runtime.syncs import to_list
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -303,7 +305,7 @@ def experts(
     out = torch.zeros_like(x)  # [T, H]
     flat = top_i.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k] slots grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # [E]
+    counts = to_list(torch.bincount(flat, minlength=num_experts), "route")  # [E]: the layer's one host read
     flat_w = top_w.reshape(-1)
     starts = [0] * num_experts
     acc = 0

@@ -43,6 +43,7 @@ from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, St
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
 from moecc_runtime.plan import PlanError, has_sidecar, sidecar_path
 from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
+from moecc_runtime.syncs import to_device
 from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS, speculates
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.attention import GatheredAttention
@@ -211,7 +212,7 @@ class Worker:
         self.kv = KVPool.of(kv or KVGeometry.from_plan(plan), self.dtype, compute_device=self.device)
         self.d2h = DeviceToHost(self.device) if self.cuda else None  # module outputs and K/V to the host
         self.kv.d2h = self.d2h
-        self.attention = GatheredAttention(self.kv)
+        self.attention = GatheredAttention(self.kv, self.device)
         self.host_attention = HostAttention(self.kv, pin=self.cuda)
         self._host_share = host_fractions(plan, self.device, attention)
         self._phase = "decode"
@@ -223,6 +224,7 @@ class Worker:
         self._widths: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # value -> row shape, dtype (learned)
         self._staged_inputs: list[list[str]] = []  # per module: host-buffer inputs not kept on the device
         self._dev: _DeviceValues | None = None  # this step's values on the device, when they fit
+        self._rows_dev: tuple[torch.Tensor, torch.Tensor] | None = None  # (host rows, their device copy)
         self.steps_on_device = 0  # steps whose values between modules stayed on the device
         self.host_buffer_writes = 0  # module outputs written to host buffers (rows of one run each)
         self.stats = EngineStats(records=[] if record_steps else None)
@@ -376,7 +378,7 @@ class Worker:
             rows = b.last_rows
         else:
             rows = slice(None)
-        arg = _Inputs(self, module, env, rows)
+        arg = _Inputs(self, module, env, rows, self._rows_on_device(rows))
         last = None
         trace = self._trace
         dev = self._dev
@@ -410,9 +412,19 @@ class Worker:
             if isinstance(rows, slice):
                 full[rows].copy_(x)
             else:
-                full[rows.to(full.device)] = x.to(full.device)
+                full[arg.rows_dev] = x.to(full.device)
             env[name] = full
         return last
+
+    def _rows_on_device(self, rows: slice | torch.Tensor) -> slice | torch.Tensor:
+        """Row indexes on the compute device, sent once per step (the head's last rows are
+        the only index tensor; syncs.to_device never waits)."""
+        if isinstance(rows, slice):
+            return rows
+        cached = self._rows_dev
+        if cached is None or cached[0] is not rows:
+            cached = self._rows_dev = (rows, to_device(rows, self.device, torch.long))
+        return cached[1]
 
     def _to_host(self, name: str, full: torch.Tensor, rows: slice | torch.Tensor, x: torch.Tensor) -> None:
         """Rows `rows` of host buffer `full` (value `name`) from `x`: on CUDA a non-blocking copy
@@ -564,8 +576,11 @@ class _Inputs:
     behind the compute stream's wait for the buffer's device->host event); the stem
     (embedding, rope table) reads them on the host."""
 
-    def __init__(self, worker: Worker, module: dict, env: dict[str, torch.Tensor], rows: slice | torch.Tensor):
-        self.worker, self.module, self.env, self.rows = worker, module, env, rows
+    def __init__(self, worker: Worker, module: dict, env: dict[str, torch.Tensor], rows: slice | torch.Tensor,
+                 rows_dev: slice | torch.Tensor):
+        """`rows`: which rows of each value (host indexes, for host buffers); `rows_dev` the same
+        on the compute device (for values kept there)."""
+        self.worker, self.module, self.env, self.rows, self.rows_dev = worker, module, env, rows, rows_dev
         self.host = module["kind"] == "stem"
         self.local: dict[str, Any] = {}  # value name -> its tensor in this module run
         dev = worker._dev
@@ -581,8 +596,7 @@ class _Inputs:
             if full is None:
                 raise RuntimeError(f"runtime: {self.module['module']} reads {name} before any module wrote it "
                                    f"(the plan's schedule is out of order)")
-            rows = self.rows
-            x = full[rows.to(full.device)] if isinstance(rows, torch.Tensor) else full[rows]
+            x = full[self.rows_dev]
             self.local[name] = x
             return x
         src = self.env[name]
@@ -607,7 +621,7 @@ class _Inputs:
                 if ready is not None:
                     compute.wait_event(ready)  # on the device: the host goes on
                 dst.copy_(x, non_blocking=True)
-                read = torch.cuda.Event()
+                read = torch.cuda.Event(blocking=True)  # whoever waits on it sleeps, not spins
                 read.record(compute)
                 w._host_read[name] = read
             else:
