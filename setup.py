@@ -2,8 +2,8 @@
 
 Every package under `moecc/` ships as itself and every package under `runtime/` as
 `moecc_runtime` (the runtime's import name), found on disk rather than listed by hand, so
-a new subpackage can never be left out of a wheel. The runtime's host attention kernel is
-the one extension module.
+a new subpackage can never be left out of a wheel. The runtime's two native kernels (host
+attention, the sampler's host pass) are the extension modules.
 """
 
 import sys
@@ -20,12 +20,18 @@ packages = find_packages(include=["moecc", "moecc.*"]) + [
 # headers, so it builds with any C compiler against any torch; the runtime loads it through
 # ctypes. Optional: without a compiler the install still succeeds and the runtime falls back to
 # attention over gathered KV (`moecc_runtime.native.available()` says which).
-native = Extension(
-    RUNTIME_NAME + ".native._paged_attention",
-    sources=[RUNTIME_DIR + "/native/paged_attention.c"],
-    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=fast"] if sys.platform != "win32" else ["/O2"],
-    libraries=["m"] if sys.platform != "win32" else [],
-    optional=True,
-)
+# The sampler's host pass (runtime/native/sample_rows.c) is built the same way; both include
+# runtime/native/vec8.h.
+def native(name: str) -> Extension:
+    return Extension(
+        f"{RUNTIME_NAME}.native.{name}",
+        sources=[f"{RUNTIME_DIR}/native/{name.lstrip('_')}.c"],
+        depends=[f"{RUNTIME_DIR}/native/vec8.h"],
+        extra_compile_args=["-O3", "-std=c11", "-ffp-contract=fast"] if sys.platform != "win32" else ["/O2"],
+        libraries=["m"] if sys.platform != "win32" else [],
+        optional=True,
+    )
 
-setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR}, ext_modules=[native])
+
+setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
+      ext_modules=[native("_paged_attention"), native("_sample_rows")])

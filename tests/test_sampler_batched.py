@@ -6,12 +6,25 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moecc_runtime.sampling import DrawParams, draw, request_generator, sample
 import moecc_runtime.sampling.draw_rows as draw_module
+from moecc_runtime import native
+
+
+@pytest.fixture(params=["native", "tensors"])
+def first_tier(request, monkeypatch):
+    """Each draw test twice: the first tier in the native kernel (where it was built) and in
+    tensor ops (as on a GPU)."""
+    if request.param == "native" and not native.sampling_available():
+        pytest.skip("the sampler's native pass was not built")
+    if request.param == "tensors":
+        monkeypatch.setattr(draw_module.native, "sampling_available", lambda: False)
+    return request.param
 
 
 def reference_probs(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -52,7 +65,7 @@ CASES = [dict(t=1.0), dict(t=0.7), dict(t=1.0, top_k=5), dict(t=0.8, top_p=0.9),
          dict(t=1.0, top_k=200, top_p=0.97), dict(t=2.0, top_p=0.999)]
 
 
-def test_each_truncation_draws_the_reference_distribution() -> None:
+def test_each_truncation_draws_the_reference_distribution(first_tier) -> None:
     V, n = 500, 8000  # V > the first tier's 64 candidates: the second settles the rest
     for case in CASES:
         logits = peaked(V, 1)
@@ -63,7 +76,7 @@ def test_each_truncation_draws_the_reference_distribution() -> None:
         assert not bool((got > 0)[want == 0].any()), f"{case}: a token outside the kept set was drawn"
 
 
-def test_past_the_last_tier_the_tail_and_the_sorted_path_draw_the_reference(monkeypatch) -> None:
+def test_past_the_last_tier_the_tail_and_the_sorted_path_draw_the_reference(first_tier, monkeypatch) -> None:
     """A nearly flat row over more tokens than the last tier: untruncated, u past the tier's
     mass draws in the rest of the vocabulary; a 0.999 nucleus sorts the whole row. (Tiers
     made small so a small vocabulary passes them.)"""
@@ -77,7 +90,7 @@ def test_past_the_last_tier_the_tail_and_the_sorted_path_draw_the_reference(monk
         assert not bool((got > 0)[want == 0].any())
 
 
-def test_a_seeded_request_draws_the_same_whatever_else_runs() -> None:
+def test_a_seeded_request_draws_the_same_whatever_else_runs(first_tier) -> None:
     """Request "a" (seed 7) alone, then at another row among others, for 5 steps: the same tokens."""
     V = 2000
     logits = [peaked(V, s) for s in range(5)]

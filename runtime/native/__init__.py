@@ -1,8 +1,10 @@
-"""The runtime's native kernel: paged attention on the host over the KV pool in place
-(paged_attention.c, built at install as the extension `moecc_runtime.native._paged_attention`
-and called through ctypes: no torch headers, so one build serves any torch).
+"""The runtime's native kernels, built at install as extensions and called through ctypes (no
+torch headers, so one build serves any torch): paged attention on the host over the KV pool in
+place (paged_attention.c, `moecc_runtime.native._paged_attention`) and the sampler's pass over a
+step's logits on the host (sample_rows.c, `moecc_runtime.native._sample_rows`).
 
-`available()` says whether it was built; `paged_attention(...)` calls it on tensors.
+`available()` / `sampling_available()` say whether each was built; `paged_attention(...)` and
+`draw_rows(...)` call them on tensors. MOECC_NO_NATIVE=1 turns both off.
 """
 
 from __future__ import annotations
@@ -25,22 +27,64 @@ _ARGTYPES = [_PTR, _I64, _I64,  # q, row and head strides
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
+_DRAW_ARGTYPES = [_PTR, _I64, _I64, _PTR, _I64,  # x, V, row stride, rows, R
+                  _PTR, _PTR, _PTR, _PTR, _PTR, _INT,  # inv_t, top_k, top_p, min_p, u, K
+                  _PTR, _PTR, _INT]  # out tokens, out candidate ids, threads
+
+
+@lru_cache(maxsize=None)
+def _load(module: str, symbol: str) -> ctypes.CDLL | None:
+    """The built extension `moecc_runtime.native.<module>` with `symbol` typed, or None."""
     if os.environ.get("MOECC_NO_NATIVE"):
         return None
-    spec = importlib.util.find_spec("moecc_runtime.native._paged_attention")
+    spec = importlib.util.find_spec(f"moecc_runtime.native.{module}")
     if spec is None or not spec.origin:
         return None
     lib = ctypes.CDLL(spec.origin)
-    fn = lib.moecc_paged_attention
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    fn = getattr(lib, symbol)
+    fn.argtypes = _ARGTYPES if symbol == "moecc_paged_attention" else _DRAW_ARGTYPES
+    fn.restype = ctypes.c_int
     return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    return _load("_paged_attention", "moecc_paged_attention")
 
 
 def available() -> bool:
     """True when the kernel was built at install (and MOECC_NO_NATIVE is unset)."""
     return _library() is not None
+
+
+def sampling_available() -> bool:
+    """True when the sampler's host pass was built at install (and MOECC_NO_NATIVE is unset)."""
+    return _load("_sample_rows", "moecc_draw_rows") is not None
+
+
+def draw_rows(x: torch.Tensor, rows: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor, u: torch.Tensor, K: int, threads: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw rows `rows` [R] of x [*, V] (fp32 logits on the CPU, unit last stride), each with its
+    inv_t, top_k (0: off), top_p, min_p and uniform u [R], among its K most likely tokens ->
+    (tokens [R] int64, -1 where the K cannot settle the row; the K candidates' ids [R, K],
+    best first), in one read of each row (sample_rows.c)."""
+    lib = _load("_sample_rows", "moecc_draw_rows")
+    assert lib is not None, "moecc_runtime.native: the sampler's host pass was not built"
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1 or x.dim() != 2:
+        raise ValueError("draw_rows: x must be a 2-D fp32 CPU tensor with a unit last stride")
+    R, V = rows.numel(), x.shape[1]
+    r = rows.to(torch.int64).contiguous()
+    f = [t.to(torch.float32).contiguous() for t in (inv_t, top_p, min_p, u)]
+    k = top_k.to(torch.int64).contiguous()
+    if any(t.numel() != R for t in (*f, k)) or K < 1:
+        raise ValueError(f"draw_rows: every per-row tensor needs {R} values and K >= 1")
+    tok = torch.empty(R, dtype=torch.int64)
+    ids = torch.empty((R, K), dtype=torch.int64)
+    if R and lib.moecc_draw_rows(x.data_ptr(), V, x.stride(0), r.data_ptr(), R, f[0].data_ptr(), k.data_ptr(),
+                                 f[1].data_ptr(), f[2].data_ptr(), f[3].data_ptr(), int(K), tok.data_ptr(),
+                                 ids.data_ptr(), int(threads or torch.get_num_threads())) != 0:
+        raise MemoryError("draw_rows: the kernel could not allocate its scratch memory")
+    return tok, ids
 
 
 def supports(dtype: torch.dtype) -> bool:

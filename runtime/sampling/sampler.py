@@ -83,6 +83,8 @@ def _drawn_rows(x: torch.Tensor, drawn: list[int], adjusted: torch.Tensor | None
     (the draw stays in range; its token is discarded)."""
     if len(drawn) == x.shape[0] and not at and x.dtype == torch.float32:
         return x
+    if adjusted is not None and [at.get(i) for i in drawn] == list(range(len(drawn))) and len(at) == len(drawn):
+        return adjusted  # every drawn row reshaped, in order: they are the reshaped rows
     rows = x[to_device(drawn, x.device, torch.long)].float()  # [R, V]
     mine = [n for n, i in enumerate(drawn) if i in at]
     if mine:
@@ -126,10 +128,15 @@ def _reshaped(x: torch.Tensor, shaped: list[int], params: list[object], tokens: 
               prompt_lens: list[int], eos: Collection[int]) -> torch.Tensor:
     """The `shaped` rows of x [S, V], reshaped (penalties.adjust_rows) -> [R, V] float32; a
     row left with no finite token keeps its masked logits (the grammar wins)."""
-    before = x[to_device(shaped, x.device, torch.long)].float()  # [R, V]
-    after = adjust_rows(before.clone(), params, tokens, prompt_lens, eos)
+    idx = to_device(shaped, x.device, torch.long)
+    after = adjust_rows(x[idx].float(), params, tokens, prompt_lens, eos)  # [R, V], reshaped in place
     dead = ~torch.isfinite(after.amax(dim=-1))  # [R] e.g. min_tokens holds off the EOS the grammar needs
-    return torch.where(dead[:, None], before, after)
+    if after.is_cuda:
+        return torch.where(dead[:, None], x[idx].float(), after)
+    rows = dead.nonzero()[:, 0]  # host tensors: no sync; usually none
+    if rows.numel():
+        after[rows] = x[idx[rows]].float()
+    return after
 
 
 def choose(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
