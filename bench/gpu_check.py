@@ -2,11 +2,12 @@
 random-weight bf16 checkpoint, with the usable device memory capped at 24 GB, in one
 time-boxed run (default budget 450 s, so the whole command ends within 8 minutes).
 
-    bash bench/gpu_check.sh                       # build the checkpoint, compile (needs OR-Tools), run
-    bash bench/gpu_check.sh --plan PLAN.pt        # use a plan compiled elsewhere (see --compile-only)
-    bash bench/gpu_check.sh --ckpt DIR            # reuse (or build into) DIR
-    bash bench/gpu_check.sh --tiny                # 2 layers, 8 experts, hidden 256, on the CPU, < 1 min
-    bash bench/gpu_check.sh --compile-only [--plan OUT.pt]   # headers-only checkpoint + plan, here
+    bash bench/gpu_check.sh --vs-transformers                  # build the checkpoint, compile (OR-Tools), run
+    bash bench/gpu_check.sh --vs-transformers --plan PLAN.pt   # a plan compiled elsewhere (see --compile-only)
+    bash bench/gpu_check.sh --vs-transformers --ckpt DIR       # reuse (or build into) DIR
+    bash bench/gpu_check.sh --vs-transformers --tiny           # 2 layers, 8 experts, hidden 256, CPU, < 1 min
+    bash bench/gpu_check.sh --vs-transformers --compile-only [--plan OUT.pt]   # headers-only ckpt + plan, here
+    (plain `bash bench/gpu_check.sh` is the first-contact check, bench/first_contact.py)
 
 Phases, each time-boxed against the budget (a phase that cannot fit is skipped or stopped
 with a printed reason, and what it had done is still reported):
@@ -24,7 +25,8 @@ with a printed reason, and what it had done is still reported):
      --hf-batch, stopped at the deadline (then reported as partial);
   6. a table (generated tok/s, peak device GB, overlap efficiency, ...), greedy agreement
      on the first --agree prompts, and JSON: $OUT/gpu_check.json when $OUT is set, else
-     bench/results/gpu-check-DATE.json (--tiny: bench/out/gpu_check-tiny/gpu_check.json).
+     bench/results/gpu-check-vs-transformers-DATE.json (--tiny: bench/out/gpu_check-vs-hf-tiny/gpu_check.json);
+     $OUT/gpu_check-vs-transformers.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -342,7 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(a, k, v)
     a.hf_prompts = min(a.hf_prompts, a.prompts)
     a.hf_batch = a.hf_batch or a.hf_prompts
-    a.work = a.work or ROOT / "bench" / "out" / ("gpu_check-tiny" if t else "gpu_check")
+    a.work = a.work or ROOT / "bench" / "out" / ("gpu_check-vs-hf-tiny" if t else "gpu_check-vs-hf")
     return a
 
 
@@ -428,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan or a.work / ("plan-tiny.pt" if a.tiny else f"plan-{L}L.pt")
         if not res["machine"]["ortools"]:
             print("[3] plan: SKIPPED moecc: OR-Tools is not importable here, so `moecc compile` cannot run; "
-                  "compile on a machine with it (`bash bench/gpu_check.sh --compile-only`) and pass --plan",
+                  "compile on a machine with it (`bash bench/gpu_check.sh --vs-transformers --compile-only`) and pass --plan",
                   flush=True)
             res["plan"] = {"error": "ortools not importable and no --plan"}
             plan = None
@@ -457,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         rel = os.path.relpath(plan.resolve(), ROOT) if inside else str(plan)
         print(f"\nplan for the device run: {plan}\n  take it to the device machine"
               + (f" (run tool: carry=[\"{rel}\"])" if inside else "")
-              + f" and run there:\n  bash bench/gpu_check.sh --plan {rel}" + (f" --layers {L}" if a.layers else ""),
+              + f" and run there:\n  bash bench/gpu_check.sh --vs-transformers --plan {rel}" + (f" --layers {L}" if a.layers else ""),
               flush=True)
         return 0
 
@@ -585,11 +587,11 @@ def finish(a, res: dict[str, Any], clock: Clock, out_dir: Path | None, logs: Pat
     if a.json:
         path = a.json
     elif out_dir is not None:
-        path = out_dir / ("gpu_check-tiny.json" if a.tiny else "gpu_check.json")
+        path = out_dir / ("gpu_check-vs-transformers-tiny.json" if a.tiny else "gpu_check-vs-transformers.json")
     elif a.tiny:
         path = a.work / "gpu_check.json"
     else:
-        path = ROOT / "bench" / "results" / f"gpu-check-{time.strftime('%Y-%m-%d')}.json"
+        path = ROOT / "bench" / "results" / f"gpu-check-vs-transformers-{time.strftime('%Y-%m-%d')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1, default=str) + "\n")
     if out_dir is not None:  # the small artifacts too, for a look afterwards

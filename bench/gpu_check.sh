@@ -1,50 +1,40 @@
 #!/usr/bin/env bash
-# GPU check: moecc against transformers + accelerate offloading on a random-weight bf16
-# checkpoint of Qwen3-30B-A3B's published shape (qwen3_moe, 128 experts, top-8), usable device
-# memory capped at 24 GB, in one command that ends within 8 minutes (budget 450 s; a phase
-# that cannot fit is skipped or stopped with a printed reason). Needs no network.
+# GPU check: one command that, on a fresh CUDA machine, says whether moecc's CUDA path is right
+# and how fast it streams, within 8 minutes (budget 420 s; a phase that cannot fit is skipped
+# with a printed reason). Needs no network and no OR-Tools on the device: prepare here first.
 #
-#   bash bench/gpu_check.sh [--plan PLAN.pt] [--ckpt DIR] [--layers N] [--budget S] ...
-#   bash bench/gpu_check.sh --tiny        # (= --dry-run-cpu) 2 layers, 8 experts, hidden 256,
-#                                         # --device cpu, 16 prompts: a smoke test, < 1 min
-#   python bench/gpu_check.py --help      # every option
+#   bash bench/gpu_check.sh --prepare       # here, with OR-Tools: writes bench/out/gpu_check/
+#                                           # (tiny checkpoint + plans, the 4-layer Mixtral-shaped
+#                                           # model's config, tokenizer, shard headers and plans;
+#                                           # ~2 MB, git-ignored)
+#   bash bench/gpu_check.sh [--budget S]    # on the device; carry bench/out/gpu_check
+#                                           # (run tool: carry=["bench/out/gpu_check"])
+#   bash bench/gpu_check.sh --dry-run-cpu   # the same logic on a CPU, tiny shapes, < ~60 s
+#                                           # (compiles what it needs; tests/test_gpu_check_dry_run.py)
+#   python bench/first_contact.py --help    # every option
 #
-# --layers: default 24 (31.2 GB on disk; the published 48 layers are 61 GB, more than the
-# device machine's 64 GB disk); everything else is the published config (see
-# bench/make_random_checkpoint.py). Results: a table on stdout, JSON in $OUT/gpu_check.json when
-# $OUT is set (plus moecc's stats/results and the logs), else bench/results/gpu-check-DATE.json.
+# On the device it builds the native host-attention kernel in place when a C compiler exists,
+# writes the 4-layer model's random bf16 weights (12.1 GB, matching the prepared headers) under
+# bench/out/gpu_check-device/, and runs: (a) the tiny fp32 model on CUDA against the CPU, host /
+# device / split attention, keep_on_device on and off (tokens identical, logits within 1e-4);
+# (b) the same under MOECC_RACE_AMPLIFY=1 and in a CUDA_LAUNCH_BLOCKING=1 child (bit-equal
+# logits); (c) the 4-layer model at --gpu-mem 4GB, 64 prompts, per placement: tok/s, true device
+# peak vs the budget, streamed host->device GB/s vs a timed 1 GiB pinned copy, overlap
+# efficiency, host syncs per step by call site, weight path, native kernel. Results: a table of
+# every figure against its target, JSON in $OUT/gpu_check.json (else bench/results/DATE-gpu-check.json).
 #
-# The device machine has no OR-Tools, so compile the plan beforehand on a machine that has it
-# (the checkpoint is header-deterministic: a sparse headers-only build here has the same
-# config.json, header bytes and file sizes as the full build made on the device machine, which
-# is what the plan's fingerprint and offsets depend on):
-#
-#   (a) here, ~1 GB of RAM, 2 MB of disk:
-#         bash bench/gpu_check.sh --compile-only
-#       = python bench/make_random_checkpoint.py --headers-only bench/out/gpu_check/qwen3-30b-a3b-24L
-#         + moecc compile bench/out/gpu_check/qwen3-30b-a3b-24L --gpu-mem 24GB --hardware h200 \
-#             --prompt-tokens 48 --output-tokens 32 --max-batch 256 -o bench/out/gpu_check/plan-24L.pt
-#   (b) on the device machine (carry bench/out/gpu_check/plan-24L.pt; bench/out/ is git-ignored):
-#         bash bench/gpu_check.sh --plan bench/out/gpu_check/plan-24L.pt
-#       It writes the full checkpoint (random numbers drawn on the GPU), checks the plan's
-#       fingerprint against it, runs `moecc exec` then transformers, and prints the table.
-#
-# With OR-Tools importable and no --plan, the script compiles the plan itself. Pass the same
-# --layers (and workload options) to both steps; a mismatched plan is refused before running.
-#
-# --offload (first argument): run bench/gpu_offload_check.py instead (the same plan with
-# attention on the host and on the device: tok/s, peak device memory, copy/compute overlap
-# from the engine and from torch.profiler, pinned/pageable copies), e.g.
-#         bash bench/gpu_check.sh --compile-only --layers 4                   (here)
-#         bash bench/gpu_check.sh --offload --plan bench/out/gpu_check/plan-4L.pt --layers 4   (device)
-#         bash bench/gpu_check.sh --offload --dry-run-cpu                     (a CPU smoke test)
+# The older checks stay reachable:
+#   bash bench/gpu_check.sh --vs-transformers [ARGS]   # bench/gpu_check.py: moecc vs transformers +
+#                                                      # accelerate on a Qwen3-30B-A3B-shaped model
+#                                                      # (its --compile-only / --plan / --tiny ...)
+#   bash bench/gpu_check.sh --offload [ARGS]           # bench/gpu_offload_check.py
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if [ "${1:-}" = "--offload" ]; then
-  shift
-  exec "${PYTHON:-python}" bench/gpu_offload_check.py "$@"
-fi
-exec "${PYTHON:-python}" bench/gpu_check.py "$@"
+case "${1:-}" in
+  --vs-transformers) shift; exec "${PYTHON:-python}" bench/gpu_check.py "$@" ;;
+  --offload) shift; exec "${PYTHON:-python}" bench/gpu_offload_check.py "$@" ;;
+esac
+exec "${PYTHON:-python}" bench/first_contact.py "$@"

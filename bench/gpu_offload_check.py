@@ -5,7 +5,7 @@ pageable copies, copies on their own streams, no device-wide synchronize).
 
     python bench/gpu_offload_check.py --plan PLAN.pt --ckpt DIR     # on a CUDA machine
     python bench/gpu_offload_check.py --plan PLAN.pt --layers 4     # build/reuse the random
-                                    # Qwen3-30B-A3B-shaped checkpoint bench/out/gpu_check/qwen3-30b-a3b-4L
+                                    # Qwen3-30B-A3B-shaped checkpoint bench/out/gpu_check-vs-hf/qwen3-30b-a3b-4L
     python bench/gpu_offload_check.py --dry-run-cpu                 # a tiny model compiled here
                                     # (needs OR-Tools) and run on the CPU: a smoke test, seconds
     bash bench/gpu_check.sh --offload ...                           # the same, through gpu_check.sh
@@ -15,8 +15,8 @@ The device machine has no OR-Tools: compile the plan beforehand where it is, e.g
 device budget that makes weights stream (4 GB: a 3.4 GB arena, the experts of layers 1-3
 through two slots, decode attention split between host and device):
 
-    bash bench/gpu_check.sh --compile-only --layers 4 --gpu-mem-gb 4   # -> bench/out/gpu_check/plan-4L.pt
-    (device, carry the plan) bash bench/gpu_check.sh --offload --plan bench/out/gpu_check/plan-4L.pt --layers 4
+    bash bench/gpu_check.sh --vs-transformers --compile-only --layers 4 --gpu-mem-gb 4   # -> bench/out/gpu_check-vs-hf/plan-4L.pt
+    (device, carry the plan) bash bench/gpu_check.sh --offload --plan bench/out/gpu_check-vs-hf/plan-4L.pt --layers 4
 
 What it measures, per attention placement (`--attention host,device`; device needs a plan with
 KV buffers, arena.kv_buffer_tokens > 0):
@@ -27,7 +27,7 @@ KV buffers, arena.kv_buffer_tokens > 0):
   * engine overlap: the copy engine's device-timed busy seconds and the compute stream's
     stalls on copy events (EngineStats copy_seconds / wait_seconds; overlap_efficiency =
     1 - wait / copy), steps whose values stayed on the device, host-buffer writes, bytes
-    copied device->host, whether the KV pool is pinned;
+    copied device->host, the weight path the streamed weights took;
   * profiler overlap (--profile-steps N, on CUDA): a short second run under torch.profiler;
     on the GPU timeline, the share of host->device (and device->host) memcpy time during
     which a kernel ran, the memcpy count from pageable memory (should be ~0), the streams
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--plan", type=Path, default=None, help="a plan compiled with --gpu-mem (see above)")
     ap.add_argument("--ckpt", type=Path, default=None, help="its checkpoint directory (default: the plan's, or "
-                    "bench/out/gpu_check/qwen3-30b-a3b-<L>L with --layers)")
+                    "bench/out/gpu_check-vs-hf/qwen3-30b-a3b-<L>L with --layers)")
     ap.add_argument("--layers", type=int, default=None, help="build (or reuse) the random Qwen3-30B-A3B-shaped "
                     "checkpoint of this many layers when --ckpt holds none (bench/make_random_checkpoint.py)")
     ap.add_argument("--dry-run-cpu", action="store_true", help="compile a tiny model here and run it on the CPU")
@@ -126,7 +126,7 @@ def checkpoint_for(a: argparse.Namespace, plan: dict[str, Any], log: dict[str, A
         import make_random_checkpoint as mrc
 
         cfg = mrc.make_config(a.layers)
-        ckpt = ckpt or ROOT / "bench" / "out" / "gpu_check" / f"qwen3-30b-a3b-{a.layers}L"
+        ckpt = ckpt or ROOT / "bench" / "out" / "gpu_check-vs-hf" / f"qwen3-30b-a3b-{a.layers}L"
         have = mrc.state(ckpt, cfg)
         if have != "full":
             print(f"[ckpt] writing {ckpt} ({a.layers} layers, random bf16; was: {have or 'none'})", flush=True)
@@ -166,7 +166,7 @@ def run_once(plan, ckpt, device, attention: str, requests, keep: bool | None, pr
     outs: dict[str, list[int]] = {}
     try:
         w = eng.worker
-        res["kv_pool_pinned"] = w.kv.pinned
+        res["weight_path"] = str(getattr(w.weights, "weight_path", None))  # the KV pool is never pinned now
         res["keep_on_device"] = w.keep_on_device
         t = time.perf_counter()
         generate(eng, requests, lambda r: outs.__setitem__(r.key, r.token_ids))
@@ -273,7 +273,7 @@ def fmt(x: Any, spec: str = ".1f", scale: float = 1.0) -> str:
 def print_table(res: dict[str, Any]) -> None:
     GB = 1e9
     rows = [("attention", "keep", "tok/s", "tokens", "s", "peak alloc GB", "arena GB", "copy s", "wait s",
-             "overlap", "steps on dev", "hb writes", "d2h GB", "pinned KV", "prof HtoD ovl", "pageable")]
+             "overlap", "steps on dev", "hb writes", "d2h GB", "weight path", "prof HtoD ovl", "pageable")]
     for r in res["runs"]:
         if "error" in r or "skipped" in r:
             rows.append((r["attention"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
@@ -285,7 +285,7 @@ def print_table(res: dict[str, Any]) -> None:
                      fmt(r["seconds"]), fmt(r.get("max_memory_allocated"), ".2f", GB), fmt(r["arena_bytes"], ".3f", GB),
                      fmt(r["copy_seconds"], ".2f"), fmt(r["wait_seconds"], ".2f"), fmt(r["overlap_efficiency"], ".2f"),
                      f"{r['steps_on_device']}/{r['steps']}", str(r["host_buffer_writes"]),
-                     fmt(r["d2h_bytes"], ".3f", GB), str(r["kv_pool_pinned"]),
+                     fmt(r["d2h_bytes"], ".3f", GB), str(r.get("weight_path")),
                      fmt(h.get("overlapped_with_kernels"), ".2f"),
                      str(h.get("pageable", "n/a")) + "/" + str(((prof.get("DtoH") or {}).get("pageable", "n/a")))))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
