@@ -22,19 +22,25 @@ import torch
 
 from moecc.frontend.checkpoint import Checkpoint, read_checkpoint
 from moecc.frontend.config import load_config, model_info, quantization
+from moecc.frontend.dtype_choice import choose_dtype
 from moecc.frontend.lowering import lower_head, lower_layer, lower_stem
 from moecc.frontend.tracer import trace_layer
 from moecc.frontend.weights import WeightResolver
 from moecc.ir.graph import Graph
 
 
-def build_graph(model_dir: str | os.PathLike) -> tuple[Graph, Checkpoint]:
-    """Read the checkpoint, build the model on meta, trace each layer, return the graph."""
+def build_graph(model_dir: str | os.PathLike, dtype: str = "auto") -> tuple[Graph, Checkpoint]:
+    """Read the checkpoint, build the model on meta, trace each layer, return the graph.
+    `dtype`: the compute dtype (--dtype; auto: transformers' dtype="auto"), in info.dtype
+    with why in info.extra["dtype"]; weight refs keep their stored dtypes."""
     ckpt = read_checkpoint(model_dir)
     config = load_config(ckpt)
     info = model_info(ckpt, config)
+    stored = info.dtype  # config-only refs: the release's dtype
+    info.dtype, why = choose_dtype(ckpt, config, dtype)
+    info.extra["dtype"] = {"compute": info.dtype, "auto": stored, "why": why}
     model = build_model(config)
-    resolver = WeightResolver(ckpt, config.model_type, info.dtype, quantization(ckpt))
+    resolver = WeightResolver(ckpt, config.model_type, stored, quantization(ckpt))
     g = Graph(info)
     lower_stem(g, model, config, resolver)
     h = "embed"

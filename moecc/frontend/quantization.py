@@ -1,5 +1,6 @@
 """A checkpoint's `quantization_config` as moecc reads it (`quantization`): the methods it
-supports (QUANT_METHODS: fp8 fine-grained, mxfp4), each mapped to the runtime's stored
+supports (QUANT_METHODS: fp8 fine-grained, mxfp4; GPTQ, AWQ, compressed-tensors and ModelOpt
+NVFP4 through moecc/frontend/quant_schemes.py), each mapped to the runtime's stored
 format of its weights (runtime/formats/), and which modules stay dense.
 
 Needs: a read checkpoint. Does: reads and checks the config's quantization block.
@@ -16,6 +17,8 @@ from typing import Any, Callable
 from moecc.errors import ConfigError, UnsupportedModelError
 from moecc.frontend.checkpoint import Checkpoint
 from moecc.frontend.config_checks import _is_int, _show
+from moecc.frontend.quant_schemes import (LinearScheme, awq_scheme, ct_match, ct_rank, ct_schemes, fnmatch_module,
+                                          gptq_scheme, nvfp4_scheme)
 
 # -- quantized checkpoints -----------------------------------------------------------------
 @dataclass(frozen=True)
@@ -26,13 +29,33 @@ class Quantization:
     `method`: quant_method as config.json spells it; `format`: the runtime's stored format
     (runtime/formats/) its quantized weights get; `data_dtype`: their stored dtype; `block`:
     [rows, columns] of one scale block (mxfp4: [1, 32] along each stored row); `skip`:
-    modules_to_not_convert (kept dense)."""
+    modules_to_not_convert (kept dense; compressed-tensors: `ignore`, ModelOpt:
+    `exclude_modules`). Integer and FP4 methods (quant_schemes.py) also have `schemes`:
+    (targets, LinearScheme) per config group, and `match`, how their module names match
+    ("transformers", "ct": compressed-tensors' match_name, "fnmatch": ModelOpt's wildcards)."""
 
     method: str
     format: str
     data_dtype: str
     block: tuple[int, int]
     skip: tuple[str, ...] = ()
+    schemes: tuple[tuple[tuple[str, ...], LinearScheme], ...] = ()
+    match: str = "transformers"
+
+    def linear_scheme(self, module: str) -> LinearScheme | None:
+        """How Linear `module` (its checkpoint name, no ".weight") is stored; None: dense (an
+        ignored module, one no config group targets, or a method without schemes)."""
+        if not self.schemes:
+            return None
+        if self.match == "ct":
+            if any(ct_match(module, t) for t in self.skip):
+                return None
+            ranked = [(r, i) for i, (targets, _) in enumerate(self.schemes)
+                      if (r := ct_rank(module, targets)) is not None]
+            return self.schemes[min(ranked)[1]][1] if ranked else None
+        if self.match == "fnmatch":
+            return None if fnmatch_module(module, self.skip) else self.schemes[0][1]
+        return None if self.skips(module + ".weight") else self.schemes[0][1]
 
     def skips(self, name: str) -> bool:
         """Whether tensor `name` belongs to a module the config keeps unquantized, matched as
@@ -95,16 +118,44 @@ def _mxfp4_scheme(path: str, q: dict) -> Quantization:
     return Quantization("mxfp4", "mxfp4", "uint8", (1, 32), _skip_list(path, q))
 
 
+def _gptq(path: str, q: dict) -> Quantization:
+    s, skip = gptq_scheme(path, q)
+    return Quantization("gptq", s.format, "int32", (1, s.group), skip, (((), s),))
+
+
+def _awq(path: str, q: dict) -> Quantization:
+    s, skip = awq_scheme(path, q)
+    return Quantization("awq", s.format, "int32", (1, s.group), skip, (((), s),))
+
+
+def _nvfp4(path: str, q: dict) -> Quantization:
+    s, skip = nvfp4_scheme(path, q)
+    return Quantization("modelopt", s.format, "uint8", (1, 16), skip, (((), s),), match="fnmatch")
+
+
+def _compressed_tensors(path: str, q: dict) -> Quantization:
+    schemes, ignore = ct_schemes(path, q)
+    first = schemes[0][1] if schemes else LinearScheme("dense", 16, 0)
+    return Quantization("compressed-tensors", first.format, "int32" if first.format == "ct_packed" else "int8",
+                        (1, first.group), ignore, schemes, match="ct")
+
+
 #: quant_method -> its reader (config.json's quantization_config -> Quantization). A method
 #: is supported when it is here and runtime/formats/ materializes its format.
 QUANT_METHODS: dict[str, Callable[[str, dict], Quantization]] = {
     "fp8": _fp8_scheme,
     "mxfp4": _mxfp4_scheme,
+    "gptq": _gptq,
+    "awq": _awq,
+    "compressed-tensors": _compressed_tensors,
+    "modelopt": _nvfp4,
 }
 #: quant_method -> the model types whose checkpoints publish it (absent: any family)
 QUANT_FAMILIES: dict[str, tuple[str, ...]] = {"mxfp4": ("gpt_oss",)}
 _QUANT_HELP = ("fp8: fine-grained FP8, e4m3 with weight_block_size, as DeepSeek-V3/R1 and the Qwen3 FP8 releases "
-               "publish it; mxfp4: gpt-oss's MXFP4 experts, as gpt-oss-20b/120b publish them")
+               "publish it; mxfp4: gpt-oss's MXFP4 experts, as gpt-oss-20b/120b publish them; gptq: 4/8-bit GPTQ "
+               "(v1 or v2 files); awq: AutoAWQ gemm; compressed-tensors: pack-quantized int4/int8, naive-quantized "
+               "int8, float-quantized fp8; modelopt: NVFP4 (hf_quant_config.json or quantization_config)")
 
 
 def quantization(ckpt: Checkpoint) -> Quantization | None:

@@ -24,6 +24,10 @@ expert's weight becomes one "mxfp4" WeightRef (runtime/formats/mxfp4.py) of logi
 gate_up [H, 2I] / down [I, H], parts data = blocks[e], scale = scales[e], attrs transpose.
 A config-only compile makes the same refs from the config.
 
+GPTQ, AWQ, compressed-tensors and ModelOpt NVFP4 releases (a Quantization with `schemes`)
+store each Linear by its own tensor names (`X.qweight`, `X.weight_packed`, ...):
+moecc/frontend/quant_linear.py finds and checks them; their experts are per-expert Linears.
+
 Legend: R, C = rows and columns of a weight; bR, bC = the scale block; E = experts;
 I = expert intermediate size; H = hidden size; G = groups of 32 along a stored row.
 """
@@ -31,6 +35,7 @@ I = expert intermediate size; H = hidden size; G = groups of 32 along a stored r
 from __future__ import annotations
 
 from moecc.errors import CheckpointError, UnsupportedModelError
+from moecc.frontend import quant_linear
 from moecc.frontend.checkpoint import Checkpoint
 from moecc.frontend.quantization import Quantization
 from moecc.ir import WeightRef
@@ -105,6 +110,10 @@ class WeightResolver:
         """A whole tensor; `fallback` is tried when `name` is absent (tied lm_head).
         `linear`: the weight of a Linear layer (attention, MLP or expert projection), the
         only kind a quantized checkpoint may store quantized."""
+        if linear and self.quant is not None and self.quant.schemes:  # GPTQ, AWQ, compressed-tensors, NVFP4
+            ref = quant_linear.resolve(self, name, tuple(shape))
+            if ref is not None:
+                return ref
         if not self.ckpt.has_weights:
             dense = WeightRef(name, tuple(shape), self.dtype)
             return self._configured(dense) if linear else dense
@@ -227,12 +236,14 @@ class WeightResolver:
     def experts(self, prefix: str, num_experts: int, hidden: int, inter: int) -> dict[str, WeightRef]:
         """Per-expert gate [I, H], up [I, H], down [H, I] refs for the experts module at `prefix`."""
         fused_gu, fused_d = self._find(f"{prefix}.gate_up_proj"), self._find(f"{prefix}.down_proj")
-        if not self.ckpt.has_weights or (fused_gu and fused_d):
+        per_expert_quant = self.quant is not None and bool(self.quant.schemes)  # published per expert only
+        if (not self.ckpt.has_weights and not per_expert_quant) or (fused_gu and fused_d):
             return self._fused_experts(fused_gu or f"{prefix}.gate_up_proj", fused_d or f"{prefix}.down_proj",
                                        num_experts, hidden, inter)
         out: dict[str, WeightRef] = {}
         for names in _PER_EXPERT_NAMES:
-            probe = self._find(f"{prefix}.0.{names[0]}.weight")
+            probe = self._find(f"{prefix}.0.{names[0]}.weight") or quant_linear.stored_module(
+                self, f"{prefix}.0.{names[0]}.weight") or (None if self.ckpt.has_weights else names[0])
             if probe is None:
                 continue
             for e in range(num_experts):

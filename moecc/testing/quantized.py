@@ -186,8 +186,12 @@ def write_mxfp4_checkpoint(src_dir: str | Path, out_dir: str | Path, *, dtype: s
 
 
 def _config(directory: Path) -> tuple[dict, torch.dtype, dict]:
-    """(quantization_config, the compute dtype, config.json) of a quantized checkpoint."""
+    """(quantization_config, the compute dtype, config.json) of a quantized checkpoint
+    (ModelOpt's hf_quant_config.json read as its quantization_config)."""
     cfg = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    if "quantization_config" not in cfg and (directory / "hf_quant_config.json").is_file():
+        hf = json.loads((directory / "hf_quant_config.json").read_text(encoding="utf-8"))
+        return {"quant_method": "modelopt", **hf["quantization"]}, _DTYPES[cfg["torch_dtype"]], cfg
     return cfg["quantization_config"], _DTYPES[cfg["torch_dtype"]], cfg
 
 
@@ -235,6 +239,10 @@ def dequantized_state_dict(q_dir: str | Path) -> dict[str, torch.Tensor]:
     q, dtype, _ = _config(d)
     if q["quant_method"] == "mxfp4":
         return _mxfp4_dequantized(_read(d), dtype)
+    if q["quant_method"] in ("gptq", "awq", "compressed-tensors", "modelopt"):
+        from moecc.testing.quantized_libs import library_dequantized
+
+        return library_dequantized(d, _read(d), q, dtype)
     block, dtype, _ = _block(d)
     tensors = _read(d)
     out: dict[str, torch.Tensor] = {}
@@ -260,5 +268,5 @@ def write_dequantized_checkpoint(q_dir: str | Path, out_dir: str | Path, *, dtyp
     if dtype is not None:
         tensors = {k: v.to(_DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
         cfg["torch_dtype"] = dtype
-    cfg.pop("quantization_config")
+    cfg.pop("quantization_config", None)
     return _write(Path(out_dir), src, tensors, cfg)

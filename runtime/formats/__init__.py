@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from moecc_runtime.formats import fp8_block, int4_group, int8_channel, mxfp4
+from moecc_runtime.formats import awq, ct_naive, ct_packed, fp8_block, gptq, int4_group, int8_channel, mxfp4, nvfp4
 
 #: format name -> materialize(stored tensors by part name, entry, compute dtype) -> weight
 Materialize = Callable[[dict[str, torch.Tensor], dict[str, Any], torch.dtype], torch.Tensor]
@@ -27,6 +27,11 @@ FORMATS: dict[str, Materialize] = {
     mxfp4.NAME: mxfp4.materialize,
     int8_channel.NAME: int8_channel.materialize,
     int4_group.NAME: int4_group.materialize,
+    gptq.NAME: gptq.materialize,
+    awq.NAME: awq.materialize,
+    ct_packed.NAME: ct_packed.materialize,
+    ct_naive.NAME: ct_naive.materialize,
+    nvfp4.NAME: nvfp4.materialize,
 }
 
 
