@@ -33,6 +33,7 @@ for m in (moecc, moecc_runtime, moecc.planner):
 print("check_install: imports from", sys.prefix)
 import moecc_runtime.native as native
 assert native.available(), "the wheel carries no host attention kernel (moecc_runtime.native._paged_attention)"
+assert native.sampling_available(), "the wheel carries no sampler host pass (moecc_runtime.native._sample_rows)"
 print("check_install: host attention kernel built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"

@@ -20,7 +20,10 @@ def _fail(message: str) -> None:
 
 @app.command("compile")
 def compile_cmd(
-    model_dir: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json, *.safetensors)."),
+    model_dir: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json, *.safetensors), "
+                                     "or a Hub model id ORG/NAME[@REVISION]: from the local Hugging Face cache, "
+                                     "else downloaded (safetensors, config and tokenizer files) unless "
+                                     "HF_HUB_OFFLINE is set."),
     output: Path = typer.Option(Path("plan.pt"), "-o", "--output", help="Where to write the plan."),
     gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Device memory budget, e.g. 24GB, 24GiB. "
                                           "Unset: unbounded (weights stay where they are on CPU)."),
@@ -52,15 +55,26 @@ def compile_cmd(
                                            "checkpoint: int8 (per output channel) or int4 (groups of input "
                                            "channels). The quantized weights are written once beside the plan, "
                                            "as OUTPUT.weights.safetensors; the checkpoint is not changed."),
-    quantize_group_size: int = typer.Option(128, "--quantize-group-size", help="int4: input channels per scale "
-                                            "and zero point (a row's last group may be partial)."),
-    quantize_scope: str = typer.Option("experts", "--quantize-scope", help="experts: the routed experts only; "
-                                       "all: also attention and dense/shared-expert MLP weights (never "
-                                       "embeddings, norms, routers or lm_head)."),
+    quantize_group_size: Optional[int] = typer.Option(None, "--quantize-group-size", help="int4 only: input "
+                                                      "channels per scale and zero point (default 128; a row's "
+                                                      "last group may be partial)."),
+    quantize_scope: Optional[str] = typer.Option(None, "--quantize-scope", help="With --quantize: experts "
+                                                 "(default: the routed experts only) or all (also attention and "
+                                                 "dense/shared-expert MLP weights; never embeddings, norms, "
+                                                 "routers or lm_head)."),
+    dtype: str = typer.Option("auto", "--dtype", help="The compute dtype: auto (what transformers' "
+                              "dtype=\"auto\" loads: config.json's torch_dtype, or the weights' own), bfloat16, "
+                              "float16 or float32 (weights stored in another dtype are cast when read)."),
 ) -> None:
     """Compile MODEL_DIR into a plan for this machine's budgets."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from moecc.errors import MoeccError
+    from moecc.frontend.checkpoint import resolve_model
+
+    try:  # a Hub id: before HF_HUB_OFFLINE is defaulted on below, so a download is allowed unless the user set it
+        model_dir = resolve_model(model_dir)
+    except MoeccError as e:
+        _fail(str(e))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from moecc.sizes import SizeError, format_bytes, parse_size
 
     try:
@@ -70,14 +84,20 @@ def compile_cmd(
     except SizeError as e:
         _fail(str(e))
     from moecc.compiler import check_attention, compile_model
-    from moecc.quantize import quantize_spec
+    from moecc.frontend.dtype_choice import check_dtype
+    from moecc.quantize import DEFAULT_GROUP, quantize_spec
     from moecc_runtime.plan import save_plan
 
     try:
-        quantize_spec(quantize, quantize_group_size, quantize_scope)
+        _refuse_inapplicable(quantize, quantize_group_size, quantize_scope, dump_dir, dump_format)
+        spec = quantize_spec(quantize, DEFAULT_GROUP if quantize_group_size is None else quantize_group_size,
+                             quantize_scope or "experts")
+        quantize_group_size, quantize_scope = (spec.group_size, spec.scope) if spec else (DEFAULT_GROUP, "experts")
         check_attention(attention)
+        check_dtype(dtype)
     except (MoeccError, ValueError) as e:
         _fail(str(e))
+    _check_compile_paths(output, quantize is not None, dump_dir)
 
     shared_prefix = 0.0
     if prompts is not None:
@@ -98,10 +118,14 @@ def compile_cmd(
                                     dump_formats=tuple(f.strip() for f in dump_format.split(",") if f.strip()),
                                     print_after=set(print_after) or None, verify=verify, quantize=quantize,
                                     quantize_group_size=quantize_group_size, quantize_scope=quantize_scope,
-                                    output=output, log=lambda line: typer.echo(line, err=True), attention=attention)
+                                    output=output, log=lambda line: typer.echo(line, err=True), attention=attention,
+                                    dtype=dtype)
     except (MoeccError, ValueError) as e:
         _fail(str(e))
-    save_plan(plan, output)
+    try:
+        save_plan(plan, output)
+    except OSError as e:
+        _fail(f"cannot write the plan file {output}: {e.strerror or e}; give -o a path this user can write")
     d = plan["batch"]["decode"]
     pred = plan["predicted"]
     present = "weights present" if plan["model"]["fingerprint"]["weight_files"] else "config only (cannot exec)"
@@ -115,6 +139,55 @@ def compile_cmd(
     if side is not None:
         typer.echo(f"wrote {output.with_name(side['file'])}: {graph.attrs['quantized']['tensors']} weights as "
                    f"{side['quantize']['scheme']} ({format_bytes(side['size'])}); keep it beside the plan", err=True)
+        _warn_if_bigger(graph.attrs["quantized"], side, format_bytes)
+
+
+def _refuse_inapplicable(quantize: Optional[str], group_size: Optional[int], scope: Optional[str],
+                         dump_dir: Optional[Path], dump_format: str) -> None:
+    """ValueError for a compile option that does nothing with the others given (silently
+    ignoring it would hide a mistake): the quantize knobs without --quantize, a group size
+    with int8 (per channel: no groups), --dump-format without --dump-dir."""
+    if quantize is None and (group_size is not None or scope is not None):
+        flag = "--quantize-group-size" if group_size is not None else "--quantize-scope"
+        raise ValueError(f"{flag} only applies with --quantize; add --quantize int8|int4 or drop {flag}")
+    if quantize == "int8" and group_size is not None:
+        raise ValueError(f"--quantize-group-size {group_size} does not apply to --quantize int8 (one scale per "
+                         f"output channel, no groups); drop it, or use --quantize int4")
+    if dump_dir is None and dump_format != "txt":
+        raise ValueError(f"--dump-format {dump_format} only applies with --dump-dir DIR (where the dumps go)")
+
+
+def _check_compile_paths(output: Path, quantized: bool, dump_dir: Optional[Path]) -> None:
+    """Every path compile writes, checked before any work: the plan, its quantized weights
+    file beside it (with --quantize), the dump directory; one `error:` line otherwise."""
+    from moecc_runtime.job.paths import PathError, check_dir_writable, check_file_writable
+    from moecc_runtime.plan import sidecar_path
+
+    try:
+        check_file_writable(output, "plan file", "-o")
+        if quantized:  # written as a partial file beside the plan, then renamed over the old one
+            side = sidecar_path(output)
+            if side.is_dir():
+                raise PathError(f"cannot write the quantized weights file {side} (beside the plan): it is a "
+                                f"directory; remove it or give -o another path")
+            check_dir_writable(side.parent, "plan's directory (its quantized weights go there)", "-o")
+        if dump_dir is not None:
+            check_dir_writable(dump_dir, "dump directory", "--dump-dir")
+    except PathError as e:
+        _fail(str(e))
+
+
+def _warn_if_bigger(record: dict, side: dict, format_bytes) -> None:  # type: ignore[no-untyped-def]
+    """A warning when the quantized weights take more bytes than the checkpoint's weights they
+    replace (int4 with a tiny group: a scale and a zero point per group outweigh the values)."""
+    source = int(record.get("source_bytes") or 0)
+    if source and side["size"] > source:
+        q = side["quantize"]
+        group = f" --quantize-group-size {q.get('group_size')}" if q.get("scheme") == "int4" else ""
+        typer.echo(f"warning: --quantize {q.get('scheme')}{group} made the weights bigger: "
+                   f"{format_bytes(side['size'])} stored against {format_bytes(source)} in the checkpoint "
+                   f"(each group's scale and zero point outweigh its values); use a larger group "
+                   f"(default 128) or no --quantize", err=True)
 
 
 def _where(plan: dict) -> str:
@@ -205,7 +278,9 @@ def exec_cmd(
     from functools import partial
 
     from moecc.replan import replan_for_device  # a plan without --gpu-mem on CUDA: recompiled for the device
+    from moecc_runtime.job.paths import describe_os_error
 
+    before = _size(output)
     try:
         summary = run_job(plan, prompts, output if output is not None else sys.stdout, errors_path=errors,
                           model_dir=model, max_tokens=max_tokens, device=device, max_batch=max_batch,
@@ -216,9 +291,10 @@ def exec_cmd(
     except JobLockError as e:  # nothing was written: the files belong to another run, or collide
         _fail(str(e))
     except (PlanError, WeightError, CopyError, ArenaError, OSError, RuntimeError, ValueError) as e:
-        wrote = output is None or (output.is_file() and output.stat().st_size > 0)
-        _fail(f"{e}" + (f" (results finished before this are in {output or 'stdout'}; rerun with --resume to "
-                        f"continue)" if wrote else ""))
+        wrote = output is not None and _size(output) > before  # this run wrote results: the hint helps
+        text = describe_os_error(e) if isinstance(e, OSError) else str(e)
+        _fail(text + (f" (results finished before this are in {output}; rerun with --resume to continue)"
+                      if wrote else ""))
     typer.echo(f"moecc: {summary.report()}" + (f"; errors in {errors}" if summary.failed and errors else ""),
                err=True)
     eng = summary.engine
@@ -231,6 +307,14 @@ def exec_cmd(
         raise typer.Exit(130)
     if summary.failed:
         raise typer.Exit(1)
+
+
+def _size(path: Optional[Path]) -> int:
+    """The size of a regular file (0: missing, not a file, or no path)."""
+    try:
+        return path.stat().st_size if path is not None and path.is_file() else 0
+    except OSError:
+        return 0
 
 
 @app.command("explain")
@@ -256,13 +340,19 @@ def explain_cmd(
 
     if layers < 0:
         _fail(f"--layers must be 0 (all) or more, got {layers}")
+    if timeline is not None:
+        _check_out(timeline, "timeline picture", "--timeline")
     try:
         p = load_plan(plan)
         meas = measured_timeline(measured) if measured is not None else None  # read once, used twice
         rep = explain(p, prompts, model, measured=meas, plan_path=plan)
         if timeline is not None:
             write_timeline(p, timeline, meas, layers or None)
-    except (PlanError, OSError, RuntimeError, TimelineError) as e:
+    except OSError as e:
+        from moecc_runtime.job.paths import describe_os_error
+
+        _fail(describe_os_error(e))
+    except (PlanError, RuntimeError, TimelineError) as e:
         _fail(str(e))
     typer.echo(json.dumps(rep, indent=1) if json_out else format_explain(rep))
     if timeline is not None and not json_out:
@@ -290,6 +380,7 @@ def perplexity_cmd(
     from moecc_runtime.memory.weights import WeightError
 
     try:
+        _verify_quantized(plan, model)  # the same check exec makes before its first step
         res = plan_perplexity(plan, text, window=window, model_dir=model, device=device)
     except KVCacheFull as e:
         _fail(f"{e}: the plan's KV pool cannot hold one window of {window} tokens; pass a smaller --window")
@@ -322,6 +413,7 @@ def profile_cmd(
     from moecc.errors import MoeccError
     from moecc.measure.profile import busy_warning, measure, summarize
 
+    _check_out(output, "hardware profile", "-o")
     warning = busy_warning()
     if warning:
         typer.echo(warning, err=True)
@@ -335,11 +427,12 @@ def profile_cmd(
             cal = run_calibration(model[0], prof, workload=QUICK if quick else Workload(), device=prof.device_kind,
                                   log=lambda m: typer.echo(m, err=True))
             prof = dataclasses.replace(prof, calibration=cal)
-        prof.save(output)
     except MoeccError as e:
         _fail(str(e))
+    try:
+        prof.save(output)
     except OSError as e:
-        _fail(f"cannot write {output}: {e.strerror or e}")
+        _fail(f"cannot write the hardware profile {output}: {e.strerror or e}")
     for line in summarize(prof):
         typer.echo(line)
     typer.echo(f"wrote {output}", err=True)
@@ -360,8 +453,95 @@ def _mlp_shape(model_dir: Path) -> tuple[str, int, int]:
         raise MoeccError(f"--model {model_dir}: cannot read hidden/intermediate sizes from {path}: {e}") from e
 
 
+def _verify_quantized(plan_path: Path, model: Optional[Path]) -> None:
+    """A plan with quantized weights: its sidecar's bytes and the checkpoint tensors it was
+    made from verified (moecc_runtime/job/integrity.py); PlanError otherwise."""
+    from moecc_runtime.job.integrity import verify_sidecar
+    from moecc_runtime.plan import check_checkpoint, has_sidecar, load_plan
+
+    p = load_plan(plan_path)
+    if has_sidecar(p):
+        verify_sidecar(p, check_checkpoint(p, model, plan_path), plan_path)
+
+
+def _check_out(path: Path, role: str, flag: str) -> None:
+    """One `error:` line, before any work, when the file `path` cannot be written."""
+    from moecc_runtime.job.paths import PathError, check_file_writable
+
+    try:
+        check_file_writable(path, role, flag)
+    except PathError as e:
+        _fail(str(e))
+
+
+@app.command("serve")
+def serve_cmd(
+    models: list[str] = typer.Argument(..., help="Checkpoint directories to serve, each DIR (served under the "
+                                       "directory's name) or NAME=DIR; a batch line's body.model picks one."),
+    data_dir: Path = typer.Option(..., "--data-dir", help="Where files, batches, their state and the cached "
+                                  "plans live (kept across restarts: a killed server resumes from it)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (a non-loopback one needs "
+                             "an API key)."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free one, printed at start)."),
+    api_key: list[str] = typer.Option([], "--api-key", help="Require Authorization: Bearer KEY (repeatable); "
+                                      "each key sees only its own files and batches."),
+    api_keys: Optional[Path] = typer.Option(None, "--api-keys", help="A file of API keys, one a line."),
+    max_file_size: str = typer.Option("8GiB", "--max-file-size", help="Largest upload accepted."),
+    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Device memory budget each model's plan is "
+                                          "compiled for, as `compile --gpu-mem`."),
+    host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory budget, as `compile --host-mem`."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="Hardware preset or profile, as `compile`."),
+    max_batch: int = typer.Option(1024, "--max-batch", help="Upper bound on sequences in flight, as `compile`."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto: where jobs run."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads of the job process (default: "
+                                          "all cores but one, keeping one for the HTTP side)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Default max_tokens for lines that set none."),
+) -> None:
+    """Serve OpenAI's Files and Batches API for MODELS on this machine (the official openai
+    client works with base_url http://HOST:PORT/v1); batches run through `exec`'s runtime,
+    one at a time, and survive a crash of the server. Status page at http://HOST:PORT/."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from moecc.errors import MoeccError
+    from moecc.serve.auth import read_keys_file
+    from moecc.serve.config import ServeConfig, parse_model
+    from moecc.serve.main import serve
+    from moecc.sizes import SizeError, parse_size
+
+    try:
+        keys = list(api_key) + (read_keys_file(api_keys) if api_keys is not None else [])
+        cfg = ServeConfig([parse_model(m) for m in models], data_dir, host=host, port=port, keys=keys,
+                          max_file_size=parse_size(max_file_size, what="--max-file-size"),
+                          gpu_mem=parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None,
+                          host_mem=parse_size(host_mem, what="--host-mem") if host_mem is not None else None,
+                          hardware=hardware, device=device, max_batch=max_batch, max_tokens=max_tokens,
+                          threads=threads if threads is not None else max(1, (os.cpu_count() or 2) - 1))
+        serve(cfg)
+    except ImportError as e:
+        _fail(f"moecc serve needs Starlette, uvicorn and python-multipart: pip install 'moecc[serve]' ({e})")
+    except (SizeError, MoeccError, ValueError, RuntimeError, OSError) as e:
+        _fail(str(e))
+
+
 def main() -> None:
-    app()
+    """The `moecc` entry point: no command ends in a traceback. An OSError no command caught
+    is one `error:` line naming its path and the OS's reason; any other exception one line
+    naming it as a moecc bug (MOECC_TRACEBACK=1 shows the traceback)."""
+    try:
+        app()
+    except OSError as e:
+        from moecc_runtime.job.paths import describe_os_error
+
+        _exit_with(f"error: {describe_os_error(e)}", 1, e)
+    except Exception as e:  # noqa: BLE001 - the last line of defence of a command line
+        _exit_with(f"error: internal error, a moecc bug: {type(e).__name__}: {e} (set MOECC_TRACEBACK=1 "
+                   f"for the traceback)", 2, e)
+
+
+def _exit_with(line: str, code: int, e: BaseException) -> None:
+    if os.environ.get("MOECC_TRACEBACK") == "1":
+        raise e
+    print(line, file=sys.stderr)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["GrammarCompiler", "Matcher", "fill_bitmask", "fill_masks", "unpack_bitmask", "WHITESPACE"]
+__all__ = ["GrammarCompiler", "Matcher", "fill_bitmask", "fill_masks", "output_error", "unpack_bitmask",
+           "WHITESPACE"]
 
 #: whitespace allowed between JSON tokens (llguidance's whitespace_pattern): bounded, so a
 #: sampled output cannot loop in whitespace; covers compact and pretty-printed JSON
@@ -158,9 +159,15 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         matcher = llguidance.LLMatcher(self._lltok, self._grammar(key), log_level=0)
+        what = "json_object" if key[0] == "json_object" else "json_schema"
         if matcher.is_error():
-            what = "json_object" if key[0] == "json_object" else "json_schema"
             raise ValueError(f"response_format {what}: the schema cannot be used: {matcher.get_error()}")
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()  # the first mask: a grammar with no finite document stops here, in error
+        if probe.is_stopped() and not probe.is_accepting():
+            raise ValueError(f"response_format {what}: no finite JSON document satisfies the schema (it can only "
+                             f"be completed by an infinite one, e.g. a $ref that refers only to itself); give a "
+                             f"schema some document can satisfy")
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > _CACHE_SIZE:
@@ -227,3 +234,53 @@ def fill_masks(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:
     vocabulary are False; EOS is True whenever the matcher is accepting; a done matcher
     allows exactly its EOS ids; every row has at least one True."""
     return unpack_bitmask(fill_bitmask(matchers, vocab_size), vocab_size)
+
+
+def output_error(text: str, response_format: tuple[str, str], token_ids: list[int] | None = None,
+                 compiler: GrammarCompiler | None = None) -> str | None:
+    """Why a completion that ended with finish_reason "stop" breaks its response_format's
+    promise (None: it keeps it): its text must parse as JSON (no NaN or Infinity), be an
+    object for json_object, and validate against the schema for json_schema (with the
+    jsonschema package when installed, else by replaying `token_ids` through a fresh matcher
+    of `compiler`, which must end accepting). The last line of defence before a result is
+    written; the masks make a failure here a bug, never a normal outcome."""
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        value = json.loads(text, parse_constant=no_constant)
+    except (ValueError, RecursionError) as e:
+        return f"its text is not valid JSON ({e})"
+    kind, schema_text = response_format
+    if kind == "json_object":
+        return None if isinstance(value, dict) else f"its text is JSON but not an object ({type(value).__name__})"
+    return _schema_error(value, schema_text, token_ids, compiler)
+
+
+def _schema_error(value: Any, schema_text: str, token_ids: list[int] | None,
+                  compiler: GrammarCompiler | None) -> str | None:
+    """Why `value` does not validate against the JSON schema `schema_text` (None: it does)."""
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    if jsonschema is not None:
+        schema = json.loads(schema_text)
+        try:
+            cls = jsonschema.validators.validator_for(schema)
+            error = jsonschema.exceptions.best_match(cls(schema).iter_errors(value))
+        except jsonschema.exceptions.SchemaError:
+            error = None  # a schema jsonschema itself cannot read: the grammar replay below decides
+        else:
+            if error is None:
+                return None
+            where = "/".join(str(p) for p in error.absolute_path) or "(the document)"
+            return f"it does not validate against the schema at {where}: {error.message}"
+    if token_ids is None or compiler is None:
+        return None
+    m = compiler.matcher(("json_schema", schema_text))
+    for t in token_ids:
+        if int(t) in m.eos_ids:
+            break
+        m.accept(int(t))
+    return None if m.accepting else "its tokens do not complete the schema's grammar"

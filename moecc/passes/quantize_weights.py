@@ -90,13 +90,13 @@ def _write_sidecar(ckpt: Checkpoint, refs: dict[WeightRef, WeightRef], spec: Qua
             "source_headers": ",".join(f"{f}={h}" for f, h in sorted(fp["weight_headers"].items())),
             **{k: str(v) for k, v in spec.attrs().items()}}
     try:
-        writer = SidecarWriter(partial, layout, meta)
+        writer = SidecarWriter(partial, layout, meta, sources=[src.tensor for src in refs])
     except OSError as e:
         raise QuantizeError(f"{partial}: cannot write the quantized weights: {e.strerror or e}") from e
     reader = CheckpointReader(ckpt)
     try:
         _quantize_all(reader, writer, refs, spec, final, log)
-        size, header = writer.finish()
+        size, header = writer.finish(reader.digests)
     except BaseException as e:
         writer.abort()
         if isinstance(e, OSError):
@@ -105,7 +105,7 @@ def _write_sidecar(ckpt: Checkpoint, refs: dict[WeightRef, WeightRef], spec: Qua
     finally:
         reader.close()
     return {"path": str(final), "partial": str(partial), "file": final.name, "size": size,
-            "header_sha256": header.sha256}
+            "header_sha256": header.sha256, "source_bytes": reader.bytes_read}
 
 
 def _quantize_all(reader: CheckpointReader, writer: SidecarWriter, refs: dict[WeightRef, WeightRef],

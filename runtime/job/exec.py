@@ -29,18 +29,22 @@ from typing import IO, Any, Callable, Iterator
 import torch
 
 from moecc_runtime.engine import Engine, generate
+from moecc_runtime.job.integrity import verify_sidecar
 from moecc_runtime.job.lock import JobFiles, check_distinct, open_job_files
 from moecc_runtime.job.progress import Progress
+from moecc_runtime.job.paths import PathError, check_file_writable
 from moecc_runtime.job.requests import Request, RequestError, iter_identified
+from moecc_runtime.job.source import PromptSource, prompt_source
 from moecc_runtime.job.results import (Completion, Done, InputKeys, ResultWriter, TokenLogprob, error_key,
                                       plan_identity, resume_scan)
 from moecc_runtime.plan import PlanError, check_checkpoint, load_plan
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult
-from moecc_runtime.structured import GrammarCompiler
+from moecc_runtime.structured import GrammarCompiler, output_error
 from moecc_runtime.tokenizer import Tokenizer
 from moecc_runtime.worker.worker import refuse_unbudgeted_cuda
 
 DEFAULT_MAX_TOKENS = 256
+STREAM_SHARD_HINT = 4096  # requests a stream is taken to hold, for the Ray shard size (its total is unknown)
 
 
 @dataclass
@@ -156,6 +160,7 @@ def run_job(
     wall0 = time.perf_counter()
     plan = load_plan(plan_path)
     mdir = check_checkpoint(plan, model_dir, plan_path)
+    verify_sidecar(plan, mdir, plan_path, log=None if log is None else lambda m: print(m, file=log))
     _check_runnable(plan, plan_path)
     identity = plan_identity(plan, mdir)
     if ray is None:
@@ -175,14 +180,22 @@ def run_job(
         from moecc_runtime.job.distributed import import_ray
 
         import_ray()  # fail before opening or reading anything when Ray is not installed
-    with open(prompts_path, "rb"):
-        pass  # a missing or unreadable prompts file fails here, before any output file is created
+    source = prompt_source(prompts_path)  # stdin, a pipe or a FIFO: read once, as it comes (job/source.py)
+    if resume:
+        source.refuse_resume()  # before anything is opened: resume reads the input twice
+    if not source.stream:
+        with open(prompts_path, "rb"):
+            pass  # a missing or unreadable prompts file fails here, before any output file is created
     out_path = Path(output) if isinstance(output, (str, Path)) else None
     err_path = Path(errors_path) if errors_path else None
     if out_path is not None:
         check_distinct(Path(prompts_path), out_path, err_path)
+    if stats_path is not None:  # written at the end: checked now, before any work
+        check_file_writable(stats_path, "stats file", "--stats")
     files = open_job_files(out_path, err_path, resume)  # this run owns the files now
     try:
+        if source.stream:
+            source.open_stream()  # once (a FIFO: waits for its writer); Job.read reads it
         summary = JobSummary(plan=identity)
         done = _resume(files, prompts_path, max_tokens, summary, log) if resume else Done()
         tok = Tokenizer(mdir)
@@ -194,7 +207,7 @@ def run_job(
                           model=Path(str(plan["model"]["dir"])).name)
     try:
         job = Job(plan, prompts_path, writer, tok, summary, done, log, max_tokens, plan_path=plan_path,
-                  share_prefixes=share_prefixes)
+                  share_prefixes=share_prefixes, source=source)
         runner = _run if ray is None else _run_ray
         return runner(job, mdir, wall0, device=device, max_batch=max_batch, stats_path=stats_path,
                       progress=progress, handle_signals=handle_signals, **({} if ray is None else {"options": ray}))
@@ -202,6 +215,7 @@ def run_job(
         try:
             writer.close()
         finally:
+            source.close()
             files.close()
 
 
@@ -284,8 +298,12 @@ class Job:
 
     def __init__(self, plan: dict[str, Any], prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
                  summary: JobSummary, done: Done, log: IO[str] | None, max_tokens: int,
-                 plan_path: str | Path | None = None, share_prefixes: bool = True):
+                 plan_path: str | Path | None = None, share_prefixes: bool = True,
+                 source: PromptSource | None = None):
         self.plan, self.prompts_path, self.writer, self.tok = plan, prompts_path, writer, tok
+        #: the input (a stream is read once: Job.read; a regular file by its path)
+        self.source = source if source is not None else prompt_source(prompts_path)
+        self.prompts_name = self.source.name  # how messages name the input ("<stdin>" for -)
         self.share_prefixes = share_prefixes  # the engine shares KV blocks of common prompt prefixes
         self._grammars: GrammarCompiler | None = None  # built when the first response_format is read
         self.plan_path = plan_path  # where the plan was read (its quantized weights, if any, are beside it)
@@ -293,6 +311,8 @@ class Job:
         #: custom_id -> (api, model, stop, the prompt's text when echoed)
         self.apis: dict[str, tuple[str, str | None, tuple[str, ...], str | None]] = {}
         self.lines: dict[str, int] = {}  # custom_id -> input line
+        self.caps: dict[str, int] = {}  # custom_id -> the tokens it may generate (max_tokens x n), for the ETA
+        self.formats: dict[str, tuple[str, str]] = {}  # custom_id -> its response_format, when it has one
         self.requests: dict[str, str] = {}  # custom_id -> request hash (results.py's identity)
         # (the three above hold only requests read and not yet finished or failed: see forget)
         self.prog: Progress | None = None
@@ -310,7 +330,8 @@ class Job:
         one is a bad line (requests.iter_request_lines)."""
         context = int(self.plan["model"]["info"]["max_position_embeddings"])
         vocab = int(self.plan["model"]["info"]["vocab_size"])
-        for item, request in iter_identified(self.prompts_path, self.max_tokens):
+        where = self.source.open_stream() if self.source.stream else self.prompts_path
+        for item, request in iter_identified(where, self.max_tokens):
             self.summary.requests += 1
             if isinstance(item, RequestError):
                 if error_key(item.custom_id, request) in self.done.errors:
@@ -330,13 +351,16 @@ class Job:
                 if item.api != "simple":
                     field_ = "body." + field_
                 rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": field_, "message": str(e)}}
-                self.fail(rec, f"{self.prompts_path}:{item.line}: {e}", request, item.api)
+                self.fail(rec, f"{self.prompts_name}:{item.line}: {e}", request, item.api)
                 continue
             self.lines[item.custom_id] = item.line
             self.requests[item.custom_id] = request
             self.apis[item.custom_id] = (item.api, item.model, item.stop, self._echo(item, gen))
+            self.caps[item.custom_id] = gen.max_tokens * gen.n
+            if gen.response_format is not None:
+                self.formats[item.custom_id] = gen.response_format
             if self.prog is not None:
-                self.prog.expect(gen.max_tokens)
+                self.prog.expect(gen.max_tokens * gen.n)
             yield gen
         self.read_all = True
         if self.prog is not None:  # the exact figure, now that every line was read
@@ -347,8 +371,10 @@ class Job:
         request lines (a byte scan, count_request_lines) less those a resumed job skips; the
         tokens per request for the ETA start at the default max_tokens and follow the running
         mean of the requests read (Progress.expect)."""
-        self.lines_total = count_request_lines(self.prompts_path)
-        total = max(0, self.lines_total - int(getattr(self.done, "standing", 0)))
+        total: int | None = None  # a stream: not known until it ends (Progress shows counts and rates)
+        if not self.source.stream:
+            self.lines_total = count_request_lines(self.prompts_path)
+            total = max(0, self.lines_total - int(getattr(self.done, "standing", 0)))
         self.prog = Progress(total, float(self.max_tokens), self.plan.get("predicted", {}).get("job_tokens_per_s"),
                              mode=mode, stream=self.log or sys.stderr)
         return self.prog
@@ -358,6 +384,8 @@ class Job:
         self.lines.pop(key, None)
         self.requests.pop(key, None)
         self.apis.pop(key, None)
+        self.caps.pop(key, None)
+        self.formats.pop(key, None)
 
     def on_finish(self, r: GenResult) -> None:
         """generate's on_finish (once per request, all its completions in `r`): `finished`,
@@ -380,9 +408,11 @@ class Job:
         self.summary.requests = max(self.summary.requests, self.lines_total)
         self.summary.skipped = max(self.summary.skipped, int(getattr(self.done, "standing", 0)))
 
-    def fail(self, record: dict[str, Any], text: str, request: str, api: str = "simple") -> None:
+    def fail(self, record: dict[str, Any], text: str, request: str, api: str = "simple",
+             cap: int | None = None) -> None:
         """A failed request: counted, on the log, and its error record (with the request
-        hash `request`) in the errors file."""
+        hash `request`) in the errors file. `cap`: its max_tokens x n when it was read as a
+        request and then failed (progress counts it out of those in flight)."""
         self.summary.failed += 1
         self.summary.errors.append(record)
         if self.log is not None:
@@ -392,21 +422,50 @@ class Job:
                 print(f"error: {text}", file=self.log)
         self.writer.error(record, request, api)
         if self.prog is not None:
-            self.prog.request(False)
+            self.prog.request(False, cap=cap)
 
     def finished(self, r: GenResult) -> None:
-        """Write a finished request's result, each completion's text cut at its first stop string."""
+        """Write a finished request's result, each completion's text cut at its first stop
+        string; a constrained one whose "stop" output breaks its response_format fails instead."""
         api, model, stop, echo = self.apis[r.key]
+        texts = [self.tok.output_text(c.token_ids, stop) for c in r.completions]
+        broken = self._broken_promise(r.key, r.completions, texts)
+        if broken is not None:
+            self._fail_output(r.key, api, broken)
+            return
         self.summary.succeeded += 1
         self.summary.prompt_tokens += len(r.prompt_ids)
         prompt = self._token_logprobs(r.prompt_ids, r.prompt_logprobs)
-        completions = [Completion((echo or "") + self.tok.output_text(c.token_ids, stop), c.token_ids, c.finish_reason,
+        completions = [Completion((echo or "") + text, c.token_ids, c.finish_reason,
                                   _joined(prompt, self._token_logprobs(c.token_ids, c.logprobs)))
-                       for c in r.completions]
+                       for c, text in zip(r.completions, texts)]
         self.summary.completion_tokens += sum(len(c.token_ids) for c in completions)
         self.writer.result(r.key, api, completions, len(r.prompt_ids), model, request=self.requests[r.key])
         if self.prog is not None:
-            self.prog.request(True, sum(len(c.token_ids) for c in completions))
+            self.prog.request(True, sum(len(c.token_ids) for c in completions), cap=self.caps.get(r.key))
+
+    def _broken_promise(self, key: str, completions: list[GenResult], texts: list[str]) -> str | None:
+        """Why a constrained request's completion that says finish_reason "stop" is not a
+        document its response_format admits (None: every one is); see structured.output_error."""
+        rf = self.formats.get(key)
+        if rf is None:
+            return None
+        for j, (c, text) in enumerate(zip(completions, texts)):
+            if c.finish_reason != "stop":
+                continue  # cut at max_tokens: unfinished, and it says so
+            why = output_error(text, rf, c.token_ids, self.grammars)
+            if why is not None:
+                return (f"completion {j} ended with finish_reason \"stop\" but {why}; the result is not written "
+                        f"(a stop string that cuts the JSON does this: drop `stop` from a request with a "
+                        f"response_format)")
+        return None
+
+    def _fail_output(self, key: str, api: str, message: str) -> None:
+        """Fail a finished request whose output breaks its response_format (field response_format)."""
+        line = self.lines.get(key)
+        field_ = "response_format" if api == "simple" else "body.response_format"
+        self.fail({"custom_id": key, "error": {"line": line, "field": field_, "message": message}},
+                  f"{self.prompts_name}:{line}: {message}", self.requests[key], api, cap=self.caps.get(key))
 
     def _token_logprobs(self, ids: list[int], entries: list[Any] | None) -> list[TokenLogprob] | None:
         """Tokens and their logprob entries (None for an echoed prompt's first token) as the
@@ -436,12 +495,14 @@ class Job:
         return self._grammars
 
     def failed(self, r: GenRequest, message: str) -> None:
-        """A request the engine could not run (it needs more KV than the whole pool)."""
+        """A request the engine could not run (it needs more KV than the whole pool; with n > 1
+        the scheduler's message says its completions cannot be held at once: field n)."""
         line = self.lines.get(r.key)
         api = self.apis.get(r.key, ("simple", None, (), None))[0]
-        self.fail({"custom_id": r.key, "error": {"line": line, "field": "max_tokens" if api == "simple" else
-                                                 "body.max_tokens", "message": message}},
-                  f"{self.prompts_path}:{line}: {message}", self.requests[r.key], api)
+        name = "n" if f"asks for n={r.n} completions" in message else "max_tokens"
+        self.fail({"custom_id": r.key, "error": {"line": line, "field": name if api == "simple" else
+                                                 f"body.{name}", "message": message}},
+                  f"{self.prompts_name}:{line}: {message}", self.requests[r.key], api, cap=self.caps.get(r.key))
 
     def control(self, signals: "_Signals") -> str:
         """What the runner should do now (see generate's `control`), noted on the progress."""
@@ -463,7 +524,11 @@ class Job:
         if stats_path is not None:
             import json
 
-            Path(stats_path).write_text(json.dumps(asdict(self.summary), indent=1) + "\n", encoding="utf-8")
+            try:
+                Path(stats_path).write_text(json.dumps(asdict(self.summary), indent=1) + "\n", encoding="utf-8")
+            except OSError as e:
+                raise PathError(f"cannot write the stats file {stats_path}: {e.strerror or e} (every result is "
+                                f"written; only the stats are lost)") from None
 
 
 def _run(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batch: int | None,
@@ -508,7 +573,8 @@ def _run_ray(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batc
     try:
         outcome = run_on_ray(job, requests, job.plan, mdir, device=dev, max_batch=max_batch,
                              options=replace(options, share_prefixes=job.share_prefixes),
-                             control=lambda: job.control(signals), total=prog.total)
+                             control=lambda: job.control(signals),
+                             total=prog.total if prog.total is not None else STREAM_SHARD_HINT)
     finally:
         requests.close()
         job.settle_counts()
@@ -537,19 +603,22 @@ def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab:
     """The GenRequest of a validated request: its prompt tokenized and checked against the
     model (context, vocabulary), its response_format's grammar built (`grammars`: needed when
     it has one). Raises ValueError (EncodeError naming the field when not the prompt)."""
+    # the longest prompt: one position left to generate into, or with echo the whole context (the
+    # prompt alone comes back, scored; nothing is generated past the context)
+    limit = context if req.echo else context - 1
     least = tok.min_tokens(req)  # checked before tokenizing: a huge line fails fast and small
-    if least >= context:
+    if least > limit:
         raise ValueError(f"prompt is at least {least} tokens (judged from its length, before tokenizing), "
-                         f"the model's context is {context}; shorten it to at most {context - 1} tokens")
+                         f"the model's context is {context}; shorten it to at most {limit} tokens")
     ids = tok.encode_request(req)
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the model's vocabulary of {vocab}")
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
-    if len(ids) >= context:
+    if len(ids) > limit:
         raise ValueError(f"prompt is {len(ids)} tokens, the model's context is {context}; "
-                         f"shorten it to at most {context - 1} tokens")
+                         f"shorten it to at most {limit} tokens")
     bad = next((t for t, _ in req.logit_bias if t >= vocab), None)
     if bad is not None:
         raise EncodeError("logit_bias", f"logit_bias names token id {bad}, outside the model's vocabulary of {vocab}")

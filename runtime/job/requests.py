@@ -18,13 +18,15 @@ still parsed into a :class:`Request`. Only the standard library is used here.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 __all__ = [
     "KNOWN_FIELDS",
@@ -661,14 +663,18 @@ def request_hash(canonical: bytes, occurrence: int, default_max_tokens: int | No
     return h.hexdigest()[:16]
 
 
-def iter_identified(path: str | os.PathLike[str], default_max_tokens: int) -> Iterator[
+def iter_identified(path: str | os.PathLike[str] | IO[bytes], default_max_tokens: int) -> Iterator[
         tuple[Request | RequestError, str]]:
     """Each item of :func:`iter_requests` with its request hash (:func:`request_hash`).
     Lines whose custom_id cannot be read count occurrences by their content instead. Raises
-    the file's OSError here, as iter_requests does; never raises for bad content."""
-    name = os.fspath(path)
-    with open(name, "rb"):
-        pass
+    the file's OSError here, as iter_requests does; never raises for bad content. `path` may
+    be a binary stream already open (stdin, a pipe: source.PromptSource.open_stream), read
+    once as it comes and named in errors by its `name` ("<stdin>" for stdin)."""
+    stream = path if hasattr(path, "read") else None
+    name = _stream_name(stream) if stream is not None else os.fspath(path)  # type: ignore[arg-type]
+    if stream is None:
+        with open(name, "rb"):
+            pass
 
     def generate() -> Iterator[tuple[Request | RequestError, str]]:
         tapped: list[tuple[int, bytes]] = [(0, b"")]  # the line iter_request_lines read last
@@ -680,7 +686,7 @@ def iter_identified(path: str | os.PathLike[str], default_max_tokens: int) -> It
 
         first: dict[str, int] = {}  # custom_id -> its first line (iter_request_lines fills it)
         again: dict[str, int] = {}  # occurrences counted so far of repeated ids and of unreadable ones
-        with open(name, "rb") as f:
+        with (open(name, "rb") if stream is None else contextlib.nullcontext(stream)) as f:
             for item in iter_request_lines(tap(f), path=name, seen=first):
                 number, raw = tapped[0]
                 if number != item.line:  # iter_request_lines yields each line's item before reading on
@@ -696,3 +702,11 @@ def iter_identified(path: str | os.PathLike[str], default_max_tokens: int) -> It
                 yield item, request_hash(canonical, occurrence, default)
 
     return generate()
+
+
+def _stream_name(f: object) -> str:
+    """How errors name an open stream: "<stdin>" for standard input, else its path."""
+    name = getattr(f, "name", None)
+    if name in (0, "<stdin>") or f is getattr(sys.stdin, "buffer", None):
+        return "<stdin>"
+    return str(name) if isinstance(name, str) else "<input>"

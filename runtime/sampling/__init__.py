@@ -4,9 +4,9 @@ from each request's own random stream (random.py)."""
 
 from moecc_runtime.sampling.draw_rows import DrawParams, draw
 from moecc_runtime.sampling.penalties import adjust_logits, adjust_rows, is_neutral
-from moecc_runtime.sampling.random import request_generator, uniforms
+from moecc_runtime.sampling.random import completion_seed, request_generator, uniforms
 from moecc_runtime.sampling.sampler import (NOT_FINITE, Masks, SamplingError, SamplingParams, choose, next_token,
                                             sample)
 
-__all__ = ["NOT_FINITE", "DrawParams", "Masks", "SamplingError", "SamplingParams", "adjust_logits", "adjust_rows", "choose",
+__all__ = ["NOT_FINITE", "DrawParams", "Masks", "SamplingError", "SamplingParams", "adjust_logits", "adjust_rows", "choose", "completion_seed",
            "draw", "is_neutral", "next_token", "request_generator", "sample", "uniforms"]

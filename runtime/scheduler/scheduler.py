@@ -4,7 +4,13 @@ Each `schedule()`:
   1. admit: while fewer than B sequences are in flight, take the next request (preempted
      sequences first) if the KV pool can hold its prompt plus the running sequences'
      expected growth, and the step's prefill budget is not spent; the leading blocks of its
-     tokens that an earlier request computed are shared, not computed again (blocks.match);
+     tokens that an earlier request computed are shared, not computed again (blocks.match).
+     A request whose next prompt block a running sequence is computing right now waits (and
+     the queue behind it) until that block is cached, then shares it: requests admitted
+     together with a common prefix compute it once. A request with n > 1 whose completions
+     cannot all be held by the whole pool at once (prompt blocks shared, each completion's
+     own up to max_tokens) is rejected alone, before it takes anything (`rejected`), so it
+     never thrashes the pool or starves the requests behind it;
   2. plan the step's work: one token for every decoding sequence, and prompt chunks of at
      most the remaining prefill budget for sequences still prefilling (long prompts are
      prefilled over several steps, interleaved with the decode of the others);
@@ -87,6 +93,7 @@ class Scheduler:
         self._new: dict[int, list[int]] = {}  # sid -> blocks reserved for the step being planned
         self._copies: dict[int, list[tuple[int, int]]] = {}  # sid -> its copies on write (source, destination)
         self._next_id = 0
+        self._prefix_chains: dict[int, list[int]] = {}  # sid -> hash chain of its full prompt blocks (prefilling)
 
     @property
     def has_work(self) -> bool:
@@ -146,6 +153,7 @@ class Scheduler:
         """`seq` is finished: free its blocks and its slot."""
         self.blocks.release(seq.sid)
         self.running.remove(seq)
+        self._prefix_chains.pop(seq.sid, None)
 
     def _new_sequence(self, req: GenRequest) -> Sequence:
         self._next_id += 1
@@ -156,14 +164,20 @@ class Scheduler:
         """Fill free slots while the prefill budget lasts and the pool has room to spare."""
         budget = self.budget_per_step - sum(min(s.pending, self.budget_per_step) for s in self.running if s.pending > 1)
         used = sum(s.slots for s in self.running)
+        computing = self._computing_prefixes()
         while (self.preempted or (self.queue and admit_new)) and used < self.limit and budget > 0:
             head = self.preempted[0] if self.preempted else None
             req = head.request if head is not None else self.queue.peek()
             assert req is not None, "the scheduler only runs sequences of requests"
+            if head is None and self._reject_unholdable(req):
+                continue
             tokens = head.tokens if head is not None else req.prompt_ids
             slots = head.slots if head is not None else req.n
             scored = head.scores_prompt if head is not None else req.prompt_logprobs is not None
             hit = NO_PREFIX if scored else self.blocks.probe(tokens)  # a scored prompt runs every row
+            chain = [] if scored or not self.blocks.share_prefixes else self._chain(tokens)
+            if self.running and len(hit.blocks) < len(chain) and chain[len(hit.blocks)] in computing:
+                break  # its next block is being computed by a running sequence: share it next step
             growth = len(self.running) // self.blocks.block_size + 1  # blocks the running ones may take next step
             need = self.blocks.blocks_for(len(tokens) + 1) - len(hit.blocks)
             if self.running and (need + growth > self.blocks.free_blocks or used + slots > self.limit):
@@ -171,8 +185,52 @@ class Scheduler:
             seq = self.preempted.popleft() if self.preempted else self._new_sequence(self.queue.popleft())
             seq.cached = self.blocks.match(seq.sid, hit)
             self.running.append(seq)
+            if chain:
+                self._prefix_chains[seq.sid] = chain
+                computing.update(chain[seq.cached // self.blocks.block_size:])
             used += seq.slots
             budget -= min(seq.pending, budget)
+
+    def _chain(self, tokens: list[int]) -> list[int]:
+        """A hash per full block of `tokens` before the last token, each of the block and all
+        before it (equal hashes: equal prefixes, but for a collision, which only delays)."""
+        bs, h, out = self.blocks.block_size, 0, []
+        for i in range((len(tokens) - 1) // bs):
+            h = hash((h, tuple(tokens[i * bs:(i + 1) * bs])))
+            out.append(h)
+        return out
+
+    def _computing_prefixes(self) -> set[int]:
+        """The chain hashes of the prompt blocks running sequences have yet to compute."""
+        bs, out = self.blocks.block_size, set()
+        for s in self.running:
+            chain = self._prefix_chains.get(s.sid)
+            if chain is None or s.cached >= len(chain) * bs:
+                self._prefix_chains.pop(s.sid, None)
+                continue
+            out.update(chain[s.cached // bs:])
+        return out
+
+    def _reject_unholdable(self, req: GenRequest) -> bool:
+        """Reject (and take from the queue) a request with n > 1 whose n completions the whole
+        pool cannot hold at once; True when it did. Its prompt's full blocks are shared, each
+        completion holds its own blocks from there up to prompt + max_tokens."""
+        if req.n <= 1:
+            return False
+        bs, prompt = self.blocks.block_size, len(req.prompt_ids)
+        full = prompt // bs
+        own = self.blocks.blocks_for(prompt + req.max_tokens) - full
+        need = full + req.n * own
+        if need <= self.blocks.num_blocks:
+            return False
+        self.queue.popleft()
+        fits = max(0, (self.blocks.num_blocks - full) // own)
+        msg = (f"request {req.key!r} asks for n={req.n} completions of up to {req.max_tokens} tokens: holding them "
+               f"at once takes {need} KV blocks of {bs} tokens, but the whole pool has {self.blocks.num_blocks} "
+               f"(it holds {fits} such completions at once); lower n to at most {fits} or max_tokens, or compile "
+               f"with more --host-mem")
+        self.rejected.append(Rejected(req, KVCacheFull(-1, need, self.blocks.free_blocks, self.blocks.num_blocks), msg))
+        return True
 
     def _reserve(self, work: Work) -> KVCacheFull | None:
         """Reserve each chunk's positions in work order; at the first that does not fit, stop
@@ -190,6 +248,7 @@ class Scheduler:
         re-admitted, or rejected when it was running alone (it cannot fit the pool)."""
         victim = self.running.pop()
         self.blocks.release(victim.sid)
+        self._prefix_chains.pop(victim.sid, None)
         self._new.pop(victim.sid, None)
         self._copies.pop(victim.sid, None)
         if self.running:
