@@ -256,3 +256,17 @@ def test_an_empty_input_file_is_a_clean_no_op(tiny, tmp_path) -> None:
         s = run_job(plan, prompts, out, errors_path=tmp_path / f"{name}.err.jsonl", device="cpu", log=None)
         assert (s.requests, s.succeeded, s.failed, s.status) == (0, 0, 0, "done")
         assert out.read_bytes() == b"" and not (tmp_path / f"{name}.err.jsonl").exists()
+
+
+def test_min_p_parses_and_keeps_only_tokens_near_the_best() -> None:
+    """vLLM's min_p (body and simple lines): a token is kept when its probability is at least
+    min_p times the best one's; out of [0, 1] fails the line naming the field."""
+    assert parse(chat({"min_p": 0.05})).min_p == 0.05
+    assert parse({"custom_id": "s", "prompt": "hi", "min_p": 0}).min_p == 0.0
+    assert refused(chat({"min_p": 1.5})).field == "body.min_p"
+    from moecc_runtime.sampling import request_generator, sample
+
+    logits = torch.tensor([[4.0, 3.9, 0.0, -1.0] + [-5.0] * 60] * 64)  # two near the best, the rest far below
+    params = [SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.5)] * 64
+    got = set(sample(logits, params, [request_generator(i, "m") for i in range(64)]).tolist())
+    assert got <= {0, 1} and len(got) == 2

@@ -160,7 +160,7 @@ def test_iter_requests_streams_in_file_order(tmp_path: Path) -> None:
         ('{"prompt": "a", "seed": 18446744073709551616}', "seed", "expected an integer in [0, 2**64)"),
         ('{"prompt": "a", "max_new_tokens": 5}', "max_new_tokens",
          "unknown field 'max_new_tokens' (known: custom_id, prompt, messages, max_tokens, temperature,"
-         " top_p, top_k, seed, stop, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,"
+         " top_p, top_k, min_p, seed, stop, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,"
          " min_tokens, logprobs, top_logprobs, response_format, n)"),
         ('{"prompt": "a", "logprobs": true, "top_logprobs": 30}', "top_logprobs", "an integer in [0, 20]"),
         ('{"prompt": "a", "stream": true}', "stream", "unknown field 'stream' (not supported by moecc)"),

@@ -634,4 +634,4 @@ def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab:
     return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop,
                       req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.logit_bias,
                       req.min_tokens, req.logprobs, req.n, req.response_format,
-                      prompt_logprobs=req.logprobs if req.echo else None)
+                      prompt_logprobs=req.logprobs if req.echo else None, min_p=req.min_p)

@@ -44,7 +44,7 @@ __all__ = [
 PENALTY_FIELDS: tuple[str, ...] = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                                    "min_tokens")
 KNOWN_FIELDS: tuple[str, ...] = (
-    "custom_id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+    "custom_id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
 ) + PENALTY_FIELDS + ("logprobs", "top_logprobs", "response_format", "n")
 MAX_N = 128  # completions per request, as OpenAI's chat completions allow
 MAX_TOP_LOGPROBS = 20  # chat completions' (and simple lines') top_logprobs: 0..20, as OpenAI allows
@@ -70,7 +70,8 @@ _REFUSED: dict[str, str] = {
     "functions": "function calling is not supported by moecc",
     "function_call": "function calling is not supported by moecc",
 }
-_BODY_SAMPLING: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n") + PENALTY_FIELDS
+_BODY_SAMPLING: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                   "n") + PENALTY_FIELDS
 BODY_FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("model", "messages", "max_completion_tokens", *_BODY_SAMPLING, *IGNORED_BODY_FIELDS,
              *(k for k in _NEUTRAL if k not in ("best_of", "suffix")), "logprobs", "top_logprobs",
@@ -104,6 +105,7 @@ class Request:
     temperature: float = 0.0  # 0.0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
+    min_p: float = 0.0  # vLLM's: keep tokens at least this share of the most likely one's probability; 0 off
     seed: int | None = None
     stop: tuple[str, ...] = ()  # generation stops when the output text contains one of these
     api: str = "simple"  # the line's form: "simple", or the Batch API's "chat" / "completions"
@@ -397,6 +399,9 @@ def _sampling(obj: dict, prefix: str = "", max_tokens_floor: int = 1) -> dict[st
         else:
             out["top_k"] = _check_int(obj["top_k"], prefix + "top_k", lo=0, hi=None,
                                       expected="an integer >= 0 (0 means off)")
+    if "min_p" in obj:
+        out["min_p"] = _check_float(obj["min_p"], prefix + "min_p", expected="a number in [0, 1] (0 means off)",
+                                    ok=lambda p: 0 <= p <= 1)
     if "seed" in obj:
         out["seed"] = _check_int(obj["seed"], prefix + "seed", lo=0, hi=_SEED_LIMIT,
                                  expected="an integer in [0, 2**64)")

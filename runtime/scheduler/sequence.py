@@ -29,6 +29,7 @@ class GenRequest:
     #: structured output: ("json_object", "") or ("json_schema", the schema as canonical JSON); None: free text
     response_format: tuple[str, str] | None = None
     prompt_logprobs: int | None = None  # N >= 0: each prompt token's logprob and its N most likely (echo)
+    min_p: float = 0.0  # keep tokens with at least this share of the best one's probability (sampling/draw_rows.py)
 
 
 #: one generated token's logprob entry: (its logprob, [(token id, logprob), ...] the top N, best first)
