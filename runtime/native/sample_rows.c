@@ -7,7 +7,9 @@
  * Drawn row r is row rows[r] of x (row stride xs, fp32): m = max_i x_i; w_i = exp((x_i - m) *
  * inv_t[r]); z = sum_i w_i; the K largest w_i / z, best first (of equal weights the lower id
  * first, so a row's candidates depend on the row alone), their ids into out_i[r, :K]; out_tok[r]
- * the token (top-k, top-p, min-p applied as draw_rows.py does) or -1 when they cannot settle it.
+ * the token (top-k, top-p, min-p applied as draw_rows.py does; an untruncated row whose u lies
+ * past the K's mass drawn in the rest of the vocabulary) or -1 when they cannot settle it (a
+ * truncated row whose kept tokens may reach past the K).
  * The weights are made once (kept in a scratch row, in cache), 64 to a block whose largest is
  * noted; the K-th largest block maximum bounds the K-th largest weight from below, so only the
  * blocks reaching it are looked at again, weight by weight, and what they hold at or above it
@@ -117,7 +119,8 @@ static inline __attribute__((always_inline)) float row_weights(const float *x, i
 /* One row: its K best (of equal weights the lower id first) as probabilities, and their ids.
  * The K-th largest block maximum is a lower bound of the K-th largest weight, so every weight
  * at least that large is collected (from the blocks whose maximum reaches it), sorted, cut. */
-static inline __attribute__((always_inline)) int64_t settle(const Job *j, int64_t r, const Cand *c, int64_t n, float z);
+static inline __attribute__((always_inline)) int64_t settle(const Job *j, int64_t r, const Cand *c, int64_t n, float z,
+                                                            float *w);
 
 /* One row: its K best (of equal weights the lower id first) into cand, their ids into out_i,
  * and its token when they settle it. The K-th largest block maximum is a lower bound of the
@@ -146,13 +149,32 @@ static inline __attribute__((always_inline)) void one_row(Job *j, int64_t r, flo
     if (n > j->K) n = j->K;
     int64_t *oi = j->out_i + r * j->K;
     for (int64_t k = 0; k < j->K; k++) oi[k] = k < n ? cand[k].i : 0;
-    j->out_tok[r] = settle(j, r, cand, n, z);
+    j->out_tok[r] = settle(j, r, cand, n, z, w);
+}
+
+/* An untruncated row whose u lies past its n best's mass `cum`: the token at u's place in the
+ * rest of the vocabulary, index order (the candidates' weights in w zeroed: left out). */
+static inline __attribute__((always_inline)) int64_t tail(const Job *j, const Cand *c, int64_t n, float z, float cum,
+                                                          float u, float *w) {
+    for (int64_t k = 0; k < n; k++) w[c[k].i] = 0.0f;
+    const float target = (u - cum) * z;  /* the weight left past the candidates */
+    float acc = 0.0f;
+    int64_t last = c[n - 1].i;
+    for (int64_t i = 0; i < j->V; i++) {
+        if (w[i] <= 0.0f) continue;
+        acc += w[i];
+        last = i;
+        if (acc > target) return i;
+    }
+    return last;
 }
 
 /* The row's token from its n best (weights over z, best first), or -1 when they cannot settle
- * it: a truncated row (top-k, top-p, min-p) whose kept prefix may reach past them, an
- * untruncated one whose u lies past their mass. As runtime/sampling/draw_rows.py _settle. */
-static inline __attribute__((always_inline)) int64_t settle(const Job *j, int64_t r, const Cand *c, int64_t n, float z) {
+ * it: a truncated row (top-k, top-p, min-p) whose kept prefix may reach past them. An
+ * untruncated row whose u lies past their mass draws in the rest (`tail`). As
+ * runtime/sampling/draw_rows.py _settle and _tail. */
+static inline __attribute__((always_inline)) int64_t settle(const Job *j, int64_t r, const Cand *c, int64_t n, float z,
+                                                            float *w) {
     const int64_t tk = j->top_k[r];
     const float tp = j->top_p[r], mp = j->min_p[r], u = j->u[r];
     const int trunc = tk > 0 || tp < 1.0f || mp > 0.0f, all = n >= j->V;
@@ -168,7 +190,7 @@ static inline __attribute__((always_inline)) int64_t settle(const Job *j, int64_
     const float plast = c[n - 1].w / z;
     const int closed = (tk > 0 && tk <= j->K) || (tp < 1.0f && cum >= tp) || (mp > 0.0f && plast < mp * p0) || all;
     if (trunc && !closed) return -1;
-    if (!trunc && !all && !(u < cum)) return -1;
+    if (!trunc && !all && !(u < cum)) return tail(j, c, n, z, cum, u, w);
     const float target = trunc ? u * kept : u;
     const int64_t last = trunc ? L : n;
     float acc = 0.0f;

@@ -59,16 +59,18 @@ class _Rows:
     truncated: torch.Tensor  # [R, 1] bool: any of top-k, top-p, min-p set
 
 
-_workspace: dict[torch.device, torch.Tensor] = {}
+_workspace: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
-def workspace(numel: int, device: torch.device) -> torch.Tensor:
-    """A float32 buffer of at least `numel` elements on `device`, kept between steps (a fresh
-    [R, V] allocation every step costs page faults on the host). Not shared across threads."""
-    ws = _workspace.get(device)
+def workspace(numel: int, device: torch.device, use: str = "probabilities") -> torch.Tensor:
+    """A float32 buffer of at least `numel` elements on `device` for `use` ("probabilities":
+    the draw's; "reshaped": the sampler's reshaped rows), kept between steps (a fresh [R, V]
+    allocation every step costs page faults on the host). Not shared across threads."""
+    key = (device, use)
+    ws = _workspace.get(key)
     if ws is None or ws.numel() < numel:
-        _workspace.pop(device, None)
-        ws = _workspace[device] = torch.empty(numel, dtype=torch.float32, device=device)
+        _workspace.pop(key, None)
+        ws = _workspace[key] = torch.empty(numel, dtype=torch.float32, device=device)
     return ws
 
 
@@ -77,8 +79,9 @@ def draw(x: torch.Tensor, p: DrawParams, u: torch.Tensor) -> torch.Tensor:
     tokens [R] int64 on x's device. On a GPU it queues device work only (no host read); on
     the host each tier runs over the rows left to it, the first in the native kernel when it
     was built (moecc_runtime.native.sample_rows: the softmax and the K best in one read of
-    each row; each tier over the rows the one before left), the rows no tier settles through
-    the tensor path's tail and sorted rows."""
+    each row; each tier over the rows the one before left; an untruncated row is always settled
+    by the first, its tail drawn there too), the rows no tier settles through the tensor path's
+    sorted rows."""
     if not _native_first(x):
         return _draw_tensors(x, p, u, TIERS)
     R, V = x.shape

@@ -8,7 +8,7 @@ Legend: R = rows reshaped this step, V = vocabulary.
 
 from __future__ import annotations
 
-from collections import Counter
+from itertools import chain
 from typing import Collection, Sequence
 
 import torch
@@ -64,33 +64,41 @@ def _floor(x: torch.Tensor, params: Sequence[object], tokens: Sequence[Sequence[
         x[_long(rows, x.device)[:, None], _long(sorted(eos), x.device)[None, :]] = float("-inf")
 
 
+def _flat(rows: list[int], seqs: list[Sequence[int]], V: int) -> torch.Tensor:
+    """The tokens of each listed row as flat indexes r * V + t into [R, V], concatenated (host)."""
+    lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
+    toks = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
+    return torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lens) * V + toks
+
+
 def _repetition(flat: torch.Tensor, params: Sequence[object], tokens: Sequence[Sequence[int]], V: int,
                 dev: torch.device) -> None:
-    idx, rep = [], []
-    for r, p in enumerate(params):
-        pen = getattr(p, "repetition_penalty", 1.0)
-        if pen != 1.0:
-            seen = sorted(set(tokens[r]))
-            idx += [r * V + t for t in seen]
-            rep += [pen] * len(seen)
-    if idx:
-        i = _long(idx, dev)
-        v, pen_t = flat[i], to_device(rep, dev, torch.float32)
-        flat[i] = torch.where(v > 0, v / pen_t, v * pen_t)
+    rows = [r for r, p in enumerate(params) if getattr(p, "repetition_penalty", 1.0) != 1.0]
+    if not rows:
+        return
+    seen = torch.unique(_flat(rows, [tokens[r] for r in rows], V))  # each (row, token) once
+    if not seen.numel():
+        return
+    pen = torch.tensor([getattr(p, "repetition_penalty", 1.0) for p in params], dtype=torch.float32)[seen // V]
+    i, pen = to_device(seen, dev), to_device(pen, dev)
+    v = flat[i]
+    flat[i] = torch.where(v > 0, v / pen, v * pen)
 
 
 def _presence_frequency(flat: torch.Tensor, params: Sequence[object], tokens: Sequence[Sequence[int]],
                         prompt_lens: Sequence[int], V: int, dev: torch.device) -> None:
-    idx, sub = [], []
-    for r, p in enumerate(params):
-        pres, freq = getattr(p, "presence_penalty", 0.0), getattr(p, "frequency_penalty", 0.0)
-        if pres == 0.0 and freq == 0.0:
-            continue
-        for t, c in sorted(Counter(tokens[r][prompt_lens[r]:]).items()):
-            idx.append(r * V + t)
-            sub.append(freq * float(c) + pres)
-    if idx:
-        flat.index_add_(0, _long(idx, dev), -to_device(sub, dev, torch.float32))
+    rows = [r for r, p in enumerate(params)
+            if getattr(p, "presence_penalty", 0.0) != 0.0 or getattr(p, "frequency_penalty", 0.0) != 0.0]
+    if not rows:
+        return
+    uniq, counts = torch.unique(_flat(rows, [tokens[r][prompt_lens[r]:] for r in rows], V), return_counts=True)
+    if not uniq.numel():
+        return
+    pres = torch.tensor([getattr(p, "presence_penalty", 0.0) for p in params], dtype=torch.float64)
+    freq = torch.tensor([getattr(p, "frequency_penalty", 0.0) for p in params], dtype=torch.float64)
+    r = uniq // V
+    sub = (freq[r] * counts.double() + pres[r]).float()  # in float64 then rounded once, as a Python float would be
+    flat.index_add_(0, to_device(uniq, dev), -to_device(sub, dev))
 
 
 def adjust_logits(logits: torch.Tensor, p: object, tokens: Sequence[int], prompt_len: int,

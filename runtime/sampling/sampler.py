@@ -22,7 +22,7 @@ from typing import Collection, Protocol, Sequence
 
 import torch
 
-from moecc_runtime.sampling.draw_rows import DrawParams, draw
+from moecc_runtime.sampling.draw_rows import DrawParams, draw, workspace
 from moecc_runtime.sampling.penalties import adjust_rows, is_neutral
 from moecc_runtime.sampling.random import uniforms
 from moecc_runtime.syncs import to_device, to_list
@@ -129,7 +129,16 @@ def _reshaped(x: torch.Tensor, shaped: list[int], params: list[object], tokens: 
     """The `shaped` rows of x [S, V], reshaped (penalties.adjust_rows) -> [R, V] float32; a
     row left with no finite token keeps its masked logits (the grammar wins)."""
     idx = to_device(shaped, x.device, torch.long)
-    after = adjust_rows(x[idx].float(), params, tokens, prompt_lens, eos)  # [R, V], reshaped in place
+    R, V = len(shaped), x.shape[1]
+    rows = workspace(R * V, x.device, "reshaped")[:R * V].view(R, V)  # kept between steps: no page faults
+    if shaped == list(range(x.shape[0])):
+        rows.copy_(x)
+    elif x.is_cuda:
+        rows.copy_(x[idx])
+    else:
+        for n, i in enumerate(shaped):  # row by row: a gather into an out= buffer is serial on the host
+            rows[n].copy_(x[i])
+    after = adjust_rows(rows, params, tokens, prompt_lens, eos)  # [R, V], reshaped in place
     dead = ~torch.isfinite(after.amax(dim=-1))  # [R] e.g. min_tokens holds off the EOS the grammar needs
     if after.is_cuda:
         return torch.where(dead[:, None], x[idx].float(), after)
