@@ -11,6 +11,7 @@ from typing import Any, Callable
 from moecc_runtime.plan import sidecar_path
 
 from moecc.frontend.build import build_graph
+from moecc.frontend.dtype_choice import check_dtype
 from moecc.ir import Graph
 from moecc.ir.pass_infra import DumpIR, Instrument, PassContext, PassManager, PrintAfter, record_trace
 from moecc.options import CompileOptions
@@ -25,6 +26,7 @@ def compile_model(
     gpu_mem: int | None = None,
     host_mem: int | None = None,
     host_reserve: int | None = None,
+    device_reserve: int | None = None,
     prompt_tokens: int = 512,
     output_tokens: int = 256,
     shared_prefix: float = 0.0,
@@ -41,6 +43,7 @@ def compile_model(
     output: str | os.PathLike | None = None,
     log: Callable[[str], None] | None = None,
     attention: str = "auto",
+    dtype: str = "auto",
 ) -> tuple[dict[str, Any], Graph]:
     """Compile the checkpoint at `model_dir`; return (plan, final graph).
 
@@ -49,14 +52,18 @@ def compile_model(
     `output` + ".weights.safetensors", the file the runtime reads for a plan at `output`.
     verify=None reads MOECC_VERIFY (the test suite sets it to 1, so every compile in tests
     checks the graph after every pass). `attention`: auto, host or device (--attention).
+    `device_reserve`: device bytes kept out of `gpu_mem` (None: the hardware profile's).
     `shared_prefix`: the share of prompt tokens computed once by prefix sharing (what
-    `moecc compile --prompts` measures; moecc/planner/shared_prefix.py)."""
-    options = CompileOptions(gpu_mem=gpu_mem, host_mem=host_mem, host_reserve=host_reserve, prompt_tokens=prompt_tokens,
+    `moecc compile --prompts` measures; moecc/planner/shared_prefix.py). `dtype`: the compute
+    dtype (--dtype: auto, bfloat16, float16, float32; moecc/frontend/dtype_choice.py)."""
+    options = CompileOptions(gpu_mem=gpu_mem, host_mem=host_mem, host_reserve=host_reserve,
+                             device_reserve=device_reserve, prompt_tokens=prompt_tokens,
                              output_tokens=output_tokens, shared_prefix=float(shared_prefix), max_batch=max_batch,
                              hardware=None if hardware is None else str(hardware), quantize=quantize,
                              quantize_group_size=quantize_group_size, quantize_scope=quantize_scope,
                              quantize_symmetric=quantize_symmetric,
-                             plan_path=None if output is None else str(output), log=log, attention=attention)
+                             plan_path=None if output is None else str(output), log=log, attention=attention,
+                             dtype=dtype)
     final = compile_graph(model_dir, options, instruments=instruments_for(dump_dir, dump_formats, print_after),
                           verify=verify)
     return final.attrs["plan"], final
@@ -73,10 +80,11 @@ def compile_graph(model_dir: str | os.PathLike, options: CompileOptions = Compil
     one there untouched)."""
     quantize_spec(options.quantize, options.quantize_group_size, options.quantize_scope)  # refuse early
     check_attention(options.attention)
+    check_dtype(options.dtype)
     if verify is None:
         verify = os.environ.get("MOECC_VERIFY", "") not in ("", "0")
     start = time.perf_counter()
-    graph, ckpt = build_graph(model_dir)
+    graph, ckpt = build_graph(model_dir, options.dtype)
     ctx = PassContext(options=dataclasses.replace(options, checkpoint=ckpt), instruments=list(instruments or []),
                       verify=verify)
     if verify:

@@ -19,6 +19,9 @@ class CompileOptions:
                    this machine's available memory)
     host_reserve   host bytes kept out of host_mem for what the plan does not size; None: the
                    modelled reserve (moecc/planner/host_memory.py)
+    device_reserve device bytes kept out of gpu_mem for what the process holds outside the plan
+                   (CUDA context, cuBLAS workspaces); None: the hardware profile's
+                   device_reserve_bytes (moecc/planner/hardware.py; 0 on a CPU)
     prompt_tokens  the typical prompt length the batch is sized for (a mean)
     output_tokens  the typical output length (a mean; clipped to the model's context)
     shared_prefix  the share of prompt tokens the runtime's prefix sharing computes once, in
@@ -43,11 +46,15 @@ class CompileOptions:
                    are written beside it as plan_path + ".weights.safetensors", the name
                    the runtime looks for; the plan must then be saved at exactly this path
     log            progress lines of long steps (quantizing), e.g. to stderr; None: silent
+    dtype          the compute dtype: "auto" (transformers' dtype="auto"), "bfloat16",
+                   "float16" or "float32" (weights of another dtype cast when read;
+                   moecc/frontend/dtype_choice.py); the plan's model.info.dtype
     """
 
     gpu_mem: int | None = None
     host_mem: int | None = None
     host_reserve: int | None = None
+    device_reserve: int | None = None
     prompt_tokens: float = 512
     output_tokens: float = 256
     shared_prefix: float = 0.0
@@ -62,3 +69,4 @@ class CompileOptions:
     quantize_symmetric: bool = False
     plan_path: str | None = None
     log: Callable[[str], None] | None = None
+    dtype: str = "auto"

@@ -5,7 +5,8 @@ A plan without a device budget has no arena (plan["arena"] is None): on a CPU th
 reads weights where they are, but on CUDA that would mean every weight copied to the device
 and kept, which is what offloading exists to avoid, so the runtime refuses such a plan on
 CUDA (moecc_runtime.worker.worker.refuse_unbudgeted_cuda). The CLI, which has the compiler,
-recompiles it instead: the same checkpoint and workload through `compile_model`, with
+recompiles it instead: the same checkpoint, workload and compile options (the plan's
+`predicted.compiled_with`: --attention, --hardware, --dtype) through `compile_model`, with
 `gpu_mem` = the device's free memory (torch.cuda.mem_get_info) minus a headroom of
 max(HEADROOM_MIN_BYTES, HEADROOM_FRACTION of it) for the CUDA context, the allocator's
 fragmentation and whatever else runs there. The planner derates that budget once more
@@ -68,6 +69,7 @@ def replan_for_device(plan: dict[str, Any], model_dir: Path, device: torch.devic
 
     wl = plan["batch"]["workload"]
     host = (plan.get("memory") or {}).get("host") or {}
+    kept = plan["predicted"].get("compiled_with") or {}  # the user's --attention, --hardware, --dtype
     host_mem = host.get("budget")
     try:
         from moecc.compiler import compile_model
@@ -79,7 +81,8 @@ def replan_for_device(plan: dict[str, Any], model_dir: Path, device: torch.devic
                                output_tokens=max(1, round(float(wl["output_tokens"]))),
                                shared_prefix=shared_prefix_of(plan),
                                max_batch=max(int(plan["batch"]["decode"]["B"]), int(plan["batch"]["prefill"]["B"])),
-                               hardware=None)
+                               hardware=_hardware_kept(kept.get("hardware")),
+                               attention=kept.get("attention", "auto"), dtype=kept.get("dtype", "auto"))
     except (MoeccError, ValueError, ImportError) as e:
         raise PlanError(f"{where} has no device budget (compiled without --gpu-mem) and could not be recompiled "
                         f"here for {device} ({e}); compile it with `moecc compile ... --gpu-mem <device memory>` "
@@ -91,6 +94,16 @@ def replan_for_device(plan: dict[str, Any], model_dir: Path, device: torch.devic
             f"arena {_gib((new.get('arena') or {}).get('bytes', 0))}, decode B={d['B']} b_a={d['b_a']} b_e={d['b_e']} "
             f"(compile with --gpu-mem to choose the budget yourself)")
     return new
+
+
+def _hardware_kept(hardware: str | None) -> str | None:
+    """The plan's --hardware for the recompile: a preset name as it was; a profile file when
+    it exists on this machine; else (none given, or the file is not here) None: this machine's."""
+    if hardware is None:
+        return None
+    if Path(hardware).suffix == ".json" and not Path(hardware).is_file():
+        return None
+    return hardware
 
 
 def _gib(n: float) -> str:

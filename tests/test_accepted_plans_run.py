@@ -2,7 +2,12 @@
 (dimensions that are not multiples of 64, odd vocabularies, 1-4 layers, 2-6 experts) x
 budgets from the stated minimum (what `--gpu-mem` / `--host-mem` errors name) up to all
 resident. Each accepted plan execs through the real job path, gives the unbudgeted plan's
-greedy tokens, keeps the arena's measured peak within --gpu-mem, and fails no request."""
+greedy tokens, keeps the arena's measured peak within --gpu-mem, and fails no request; and
+the planner's full device accounting holds against what the run really used: each arena
+region within the bytes the plan gave it, every step's temporaries (each storage an op
+allocates during the step, host buffers and host attention aside: on a GPU they are host
+memory, on this CPU the same RAM) within the
+phase's planned temporaries, and arena + temporaries + device reserve within --gpu-mem."""
 
 from __future__ import annotations
 
@@ -10,7 +15,14 @@ import io
 import os
 import json
 import re
+import weakref
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -69,6 +81,91 @@ def stated_minimum(ckpt: Path, flag: str, **budgets) -> int:
     raise AssertionError(f"a 1-byte {flag} was accepted")
 
 
+class StepAllocations(TorchDispatchMode):
+    """Every storage an op allocates while on (views and in-place writes excluded: their
+    storage is an input's), in order: (pointer, bytes) when made, (pointer, -bytes) when its
+    tensor is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[int, int]] = []
+        self._live: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            ptr, n = st.data_ptr(), st.nbytes()
+            if n and ptr not in inputs and ptr not in self._live:
+                self._live[ptr] = n
+                self.events.append((ptr, n))
+                weakref.finalize(t, self._free, ptr)
+        return out
+
+    def _free(self, ptr: int) -> None:
+        n = self._live.pop(ptr, 0)
+        if n:
+            self.events.append((ptr, -n))
+
+    def peak(self, excluded: set[int]) -> int:
+        """The most bytes live at once, storages at `excluded` pointers left out."""
+        live = top = 0
+        for ptr, n in self.events:
+            if ptr not in excluded:
+                live += n
+                top = max(top, live)
+        return top
+
+
+@contextmanager
+def step_temporaries() -> Iterator[list[tuple[str, int]]]:
+    """Per step the worker executes: (phase, peak bytes of its temporaries), host buffers and
+    host attention (host memory on a GPU) aside."""
+    from moecc_runtime.worker import host_attention as HA
+    from moecc_runtime.worker import worker as W
+
+    steps: list[tuple[str, int]] = []
+    original, on_host = W.Worker.execute, HA.HostAttention.__call__
+
+    def host_attention(self, *args, **kwargs):
+        with _disable_current_modes():  # its temporaries are the host's
+            return on_host(self, *args, **kwargs)
+
+    def execute(self, sp):
+        mode = StepAllocations()
+        with mode:
+            out = original(self, sp)
+        host = {b.untyped_storage().data_ptr() for b in self._host_bufs.values()}
+        steps.append((sp.phase, mode.peak(host)))
+        return out
+
+    W.Worker.execute, HA.HostAttention.__call__ = execute, host_attention
+    try:
+        yield steps
+    finally:
+        W.Worker.execute, HA.HostAttention.__call__ = original, on_host
+
+
+def check_device_accounting(plan: dict, stats: dict, steps: list[tuple[str, int]], gpu_mem: int) -> None:
+    """The plan's device bytes against what the run used (see the module docstring)."""
+    dev, eng = plan["memory"]["device"], stats["engine"]
+    planned = {"resident": dev["resident_weights"], "dense_slots": dev["dense_slots"],
+               "expert_slots": dev["expert_slots"], "kv_buffers": dev["kv_buffers"], "stage": dev["staging"]}
+    for region, used in eng["arena_usage"].items():
+        assert used <= planned[region], f"arena region {region}: {used} B used, {planned[region]} B planned"
+    assert steps, "no step ran"
+    for phase, used in steps:
+        assert used <= dev[f"{phase}_temporaries"], \
+            f"a {phase} step's temporaries took {used} B, the plan counts {dev[f'{phase}_temporaries']} B"
+    for phase in ("decode", "prefill"):
+        assert dev[f"{phase}_total"] <= dev["budget"] and dev[f"{phase}_total"] + dev["device_reserve"] <= gpu_mem
+    worst = max(eng["peak_device_bytes"] + used for _, used in steps)
+    assert worst + dev["device_reserve"] <= gpu_mem, f"arena peak + step temporaries {worst} B > --gpu-mem {gpu_mem}"
+
+
 def execute(plan: dict, ckpt: Path, tmp: Path, name: str) -> tuple[list[list[int]], dict]:
     """Greedy token ids per prompt and the job's stats, through the real exec path."""
     plan_path, prompts, stats = tmp / f"{name}.pt", tmp / "prompts.jsonl", tmp / f"{name}.stats.json"
@@ -100,8 +197,10 @@ def test_every_accepted_plan_runs_within_budget_and_matches(tmp_path_factory, sh
         hlo = stated_minimum(ckpt, "--host-mem", gpu_mem=gpu_mem, host_mem=1, host_reserve=0)
         host = {"host_mem": int(hlo + host_frac * 4 * weights), "host_reserve": 0}
     plan, _ = compile_model(ckpt, **WORKLOAD, gpu_mem=gpu_mem, **host)  # the stated minimum is accepted
-    tokens, stats = execute(plan, ckpt, tmp, "budgeted")
+    with step_temporaries() as steps:
+        tokens, stats = execute(plan, ckpt, tmp, "budgeted")
     assert tokens == expected, f"{family} {overrides} at --gpu-mem {gpu_mem}: tokens differ from the unbudgeted plan"
     peak = stats["engine"]["peak_device_bytes"]
     assert 0 < peak <= gpu_mem, f"peak device bytes {peak} > --gpu-mem {gpu_mem}"
     assert stats["engine"]["arena_bytes"] <= gpu_mem
+    check_device_accounting(plan, stats, steps, gpu_mem)

@@ -25,7 +25,7 @@ def _plan(checkpoints, tmp_path, **kw):
 
 
 def test_explain_json_has_the_documented_keys(checkpoints, tmp_path):
-    _, path = _plan(checkpoints, tmp_path, gpu_mem=4_000_000, hardware="a5000")
+    _, path = _plan(checkpoints, tmp_path, gpu_mem=4_000_000, hardware="a5000", device_reserve=0)
     res = CliRunner().invoke(app, ["explain", str(path), "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)

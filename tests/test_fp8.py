@@ -264,7 +264,8 @@ def _with_config(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "compressed-tensors", "mxfp4", "fbgemm_fp8"])
+@pytest.mark.parametrize("method", ["hqq", "eetq", "bitsandbytes", "quanto", "mxfp4", "fbgemm_fp8"])  # gptq, awq,
+# compressed-tensors and modelopt are read now (tests/test_formats_*.py)
 def test_other_quant_methods_are_refused_naming_the_field_and_the_supported(fp8, tmp_path, method):
     path = _with_config(fp8("qwen").path, tmp_path / "m",
                         lambda cfg: cfg.update(quantization_config={"quant_method": method, "bits": 4}))

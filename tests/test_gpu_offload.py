@@ -476,3 +476,19 @@ def test_cuda_copier_dmas_pinned_weights_without_staging(fake_cuda):
     engine.drain()
     engine.close()
     copier.close()
+
+
+def test_replan_keeps_the_users_attention_hardware_and_dtype(checkpoints):
+    """A recompile for the device's free memory keeps --attention, --hardware and --dtype (the
+    plan records them as predicted.compiled_with; issue 29)."""
+    from moecc import replan
+    from moecc.compiler import compile_model
+
+    path = checkpoints("mixtral", "per_expert")
+    plan, _ = compile_model(path, prompt_tokens=8, output_tokens=4, max_batch=8, attention="device",
+                            hardware="cpu", dtype="float32")
+    assert plan["predicted"]["compiled_with"] == {"attention": "device", "hardware": "cpu", "dtype": "float32"}
+    free = replan.HEADROOM_MIN_BYTES + 3_000_000
+    new = replan.replan_for_device(plan, path, torch.device("cuda"), free_bytes=lambda d: free)
+    assert new is not None and new["predicted"]["compiled_with"] == plan["predicted"]["compiled_with"]
+    assert all(new["batch"][ph]["attention"]["host_fraction"] == 0.0 for ph in ("decode", "prefill"))

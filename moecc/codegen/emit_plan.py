@@ -10,7 +10,8 @@ and header hash join the fingerprint of the checkpoint; the solved sizes, each p
 attention placement (`batch.<phase>.attention`, always written); predicted figures.
 Guarantees: plan (graph.attrs["plan"], plain data only, loadable with weights_only=True,
 valid against the runtime's schema: each module's residency group, the KV geometry).
-Options: none (reads ctx.options.checkpoint, the frontend's Checkpoint).
+Options: none (reads ctx.options.checkpoint, the frontend's Checkpoint; records
+ctx.options' attention, hardware and dtype as predicted.compiled_with, for a recompile).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class EmitPlan(Pass):
             raise PassError(self.name, "ctx.options.checkpoint is not set (the frontend's Checkpoint)")
         schedule, manifest = self._schedule(g, ckpt)
         plan = _plan(g, ckpt, schedule, manifest)
+        # what a recompile for another device must keep (moecc/replan.py)
+        o = ctx.options
+        plan["predicted"]["compiled_with"] = {"attention": o.attention, "hardware": o.hardware, "dtype": o.dtype}
         try:
             validate(plan)  # the runtime's schema: what it will refuse is never written
         except SchemaError as e:

@@ -56,7 +56,7 @@ class SolveBatchSizes(Pass):
         g.attrs["batch"], kv_why = _batch(pr, sol.choice)
         g.attrs["arena"] = _arena(pr, sol)
         g.attrs["memory"] = {
-            "device": {"budget": None if pr.gpu_mem is None else int(pr.gpu_mem * S.DEVICE_DERATE),
+            "device": {"budget": pr.device_budget, "gpu_mem": pr.gpu_mem, "derate": S.DEVICE_DERATE,
                        **sol.device_bytes},
             "host": {"budget": pr.host_mem, **sol.host_bytes, "reserve": pr.reserve.total,
                      "kv_pool": g.attrs["batch"]["kv"]["num_blocks"] * g.attrs["batch"]["kv"]["bytes_per_block"]},
@@ -84,7 +84,8 @@ def _problem(g: Graph, o: CompileOptions) -> S.Problem:
     available = available_host_bytes() if o.host_mem is None else None
     return S.Problem(model_cost(g), resolve_hardware(o.hardware), prompt, output, gpu_mem=o.gpu_mem,
                      host_mem=o.host_mem, max_batch=int(o.max_batch), host_reserve_given=o.host_reserve,
-                     host_available=available, attention=o.attention, shared_prefix=float(o.shared_prefix))
+                     host_available=available, attention=o.attention, shared_prefix=float(o.shared_prefix),
+                     device_reserve_given=o.device_reserve)
 
 
 def _shared_prefix(pr: S.Problem) -> dict[str, Any]:
@@ -136,7 +137,7 @@ def _arena(pr: S.Problem, sol: S.Solution) -> dict[str, Any] | None:
     return {
         "bytes": sol.device_bytes["arena"],
         "resident": sorted(ch.resident),
-        "dense_slot_bytes": cost.dense_slot_bytes,
+        "dense_slot_bytes": S.dense_slot_bytes(pr.dense_slot_groups(), ch.resident),
         "expert_slots": ch.prefetch + 1,
         "expert_slot_bytes": cost.expert_slot_bytes,
         "kv_buffer_tokens": pr.kv_buffer_tokens(_kv_buffer_seqs(pr, ch)),
@@ -262,16 +263,17 @@ def _check_minimum(pr: S.Problem) -> None:
     c = pr.cost
     if pr.gpu_mem is not None:
         minimum = S.minimum_device_bytes(pr)
-        if pr.gpu_mem * S.DEVICE_DERATE < minimum:
+        if pr.device_budget < minimum:
             kv = ("one sequence's KV for one layer" if pr.attention == "device"
                   else "no KV buffer (attention on the host)")
             raise BudgetError(
                 f"--gpu-mem {format_bytes(pr.gpu_mem)} cannot hold the minimum working set: "
                 f"{format_bytes(minimum)} (slots for the largest dense module "
                 f"{format_bytes(c.max_dense_module_bytes)} and one expert of {format_bytes(c.max_expert_bytes)}, "
-                f"{kv} and the smallest chunk's activations) at a "
-                f"{S.DEVICE_DERATE:.0%} derate; use --gpu-mem {format_size_at_least(minimum / S.DEVICE_DERATE)} "
-                f"or more")
+                f"{kv}, the smallest chunk's activations, one step's logits and sampler temporaries) at a "
+                f"{S.DEVICE_DERATE:.0%} derate, after the {format_bytes(pr.device_reserve)} device reserve (CUDA "
+                f"context and library workspaces: the hardware profile's device_reserve_bytes); use --gpu-mem "
+                f"{format_size_at_least(pr.gpu_mem_for(minimum))} or more")
     if pr.host_mem is not None:
         tps = min(S.tps_offered(pr, 1))
         need = minimum_host_bytes(c, pr.seq_len, tps, pr.reserve)

@@ -18,10 +18,54 @@ from moecc_runtime.plan_schema import ALIGN
 #: (itemsize, counted at 4): priced at the profile's measured elementwise rate.
 DEQUANT_BYTES_PER_ELEM = 16
 
+#: Device bytes a dequantize holds at once per element of the tensor being materialised, as
+#: runtime/formats/ compute it: the stored value widened to fp32, the per-element fp32 scale
+#: and their fp32 product (4 + 4 + 4); the compute-dtype result is counted apart, as kept.
+DEQUANT_TEMP_BYTES_PER_ELEM = 12
+#: Attention workspace, per (query row, head, context position): PyTorch's math fallback of
+#: scaled_dot_product_attention (a boolean mask rules out the fused kernels) keeps fp32
+#: scores, the masked scores and the softmax (4 + 4 + 4), and widens K and V to fp32 (4 per
+#: value: expanded to every query head for a prompt chunk, enable_gqa).
+ATTN_SCORE_BYTES = 12
+ATTN_UPCAST_BYTES = 4
+#: The step's logits: the head's [rows, V] in the compute dtype and the worker's fp32 copy
+#: (StepOutput); the sampler's temporaries: at most SAMPLER_FP32_COPIES fp32 [rows, V] more
+#: (masked logits, one reshaped row set), for the step's sampled rows.
+LOGITS_FP32_BYTES = 4
+SAMPLER_FP32_COPIES = 2
+
 
 def dequant_bytes(node) -> int:
     """Bytes the dequantize of `node`'s quantized weights touches (0: all dense)."""
     return sum(w.numel * DEQUANT_BYTES_PER_ELEM for w in node.weights.values() if w.format != "dense")
+
+
+def _quantized(weights) -> tuple[int, int]:
+    """(elements, largest tensor's elements) of the quantized weights among `weights`."""
+    q = [w.numel for w in weights if w.format != "dense"]
+    return sum(q), max(q, default=0)
+
+
+def dequant_device_bytes(kept: tuple[int, int], per_use: tuple[int, int], itemsize: int) -> int:
+    """Device bytes a module's dequantize holds at its peak: its dense-path quantized weights
+    materialised in the compute dtype (kept for the module's run), one expert's (materialised
+    per use), and the fp32 temporaries of the largest tensor being materialised. `kept` and
+    `per_use` are (elements, largest tensor's elements) as _quantized gives them."""
+    if not kept[0] and not per_use[0]:
+        return 0
+    return (kept[0] + per_use[0]) * itemsize + DEQUANT_TEMP_BYTES_PER_ELEM * max(kept[1], per_use[1])
+
+
+def slot_bytes_per_token(graph) -> int:
+    """Host buffer bytes per row when buffers sharing a slot share storage (the `slot` that
+    insert_host_buffers gives each): per slot its largest row; a buffer without one (an
+    older graph) counts alone."""
+    per: dict[object, int] = {}
+    for n in graph.nodes:
+        if n.op == "host_buffer":
+            key = n.attrs.get("slot", ("own", n.name))
+            per[key] = max(per.get(key, 0), int(n.attrs.get("bytes_per_token", 0)))
+    return sum(per.values())
 
 
 def placed_bytes(w, itemsize: int) -> int:
@@ -74,6 +118,10 @@ class LayerCost:
     expert_dequant_bytes: int = 0  # the same for one expert (each expert in use, every step)
     attn_q_width: int = 0  # per token: query values of all heads (what crosses to host attention)
     attn_out_width: int = 0  # per token: attention output values of all heads, before o_proj (what comes back)
+    attn_heads: int = 0  # query heads (attention scores per query row and context position)
+    attn_kv_expanded: int = 0  # K and V values per context position widened to every query head
+    attn_dequant_device: int = 0  # device bytes the attention module's dequantize holds (dequant_device_bytes)
+    ffn_dequant_device: int = 0  # the same for the MoE / MLP module (its dense weights and one expert)
 
     @property
     def moe(self) -> bool:
@@ -98,7 +146,35 @@ class ModelCost:
     max_context: int = 0  # the model's context (a device KV buffer holds one such sequence)
     head_slot_bytes: int = 0  # the head module's weights as a slot holds them
     cast_bytes: int = 0  # host copies of weights stored in another dtype than the compute dtype
+    vocab: int = 0  # logits per row reaching the head
+    head_dequant_device: int = 0  # device bytes the head's dequantize holds (dequant_device_bytes)
     extra: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def dequant_device_bytes(self) -> int:
+        """Device bytes the largest module's dequantize holds (modules run one at a time)."""
+        return max([self.head_dequant_device] + [max(lc.attn_dequant_device, lc.ffn_dequant_device)
+                                                 for lc in self.layers], default=0)
+
+    def logits_bytes(self, rows: int) -> int:
+        """The head's logits of `rows` rows and their fp32 copy."""
+        return rows * self.vocab * (self.itemsize + LOGITS_FP32_BYTES)
+
+    def sampler_bytes(self, rows: int) -> int:
+        """The sampler's fp32 temporaries over `rows` sampled rows."""
+        return rows * self.vocab * LOGITS_FP32_BYTES * SAMPLER_FP32_COPIES
+
+    def attention_workspace(self, seqs: int, rows_per_seq: int, context: int, prompt_chunk: bool) -> int:
+        """Device bytes attention keeps beside its inputs for one call: decode, `seqs`
+        sequences of one row at `context` positions (scores per head, K and V widened in place);
+        a prompt chunk (one sequence at a time), `rows_per_seq` rows over `context` positions
+        with K and V expanded to every query head. The largest layer's."""
+        out = 0
+        for lc in self.layers:
+            scores = seqs * rows_per_seq * lc.attn_heads * context * ATTN_SCORE_BYTES
+            kv_values = lc.attn_kv_expanded if prompt_chunk else lc.kv_bytes_per_ctx // max(1, self.itemsize)
+            out = max(out, scores + seqs * context * kv_values * ATTN_UPCAST_BYTES)
+        return out
 
     @property
     def max_expert_bytes(self) -> int:
@@ -168,12 +244,11 @@ def model_cost(graph: Graph) -> ModelCost:
     layers = {i: LayerCost(i) for i in range(info.num_layers)}
     stem = head = head_flops = head_elem = head_slot = 0
     inter = 0
-    buffers = 0
+    quant: dict[tuple[str, int | None], tuple[int, int]] = {}  # (kind, layer) -> quantized (elements, largest)
+    expert_q: dict[int, tuple[int, int]] = {}  # layer -> one expert's quantized (elements, largest)
     cast = sum(w.numel * itemsize for n in graph.nodes for w in n.weights.values()
                if w.format == "dense" and w.dtype != info.dtype and w.dtype in FLOAT_DTYPES)
     for n in graph.nodes:
-        if n.op == "host_buffer":
-            buffers += int(n.attrs.get("bytes_per_token", 0))
         if n.module == "stem":
             stem += n.weight_bytes
             continue
@@ -182,6 +257,7 @@ def model_cost(graph: Graph) -> ModelCost:
             head_slot += slot_bytes(n, itemsize)
             head_flops += n.flops_per_token
             head_elem += elementwise_bytes(n, itemsize, H)
+            _add_quantized(quant, ("head", None), n.weights.values())
             continue
         if n.layer is None:
             continue
@@ -190,20 +266,24 @@ def model_cost(graph: Graph) -> ModelCost:
             lc.attn_elem_bytes += elementwise_bytes(n, itemsize, H)
             lc.attn_slot_bytes += slot_bytes(n, itemsize)
             lc.attn_dequant_bytes += dequant_bytes(n)
+            _add_quantized(quant, ("attn", n.layer), n.weights.values())
         else:
             lc.ffn_elem_bytes += elementwise_bytes(n, itemsize, H)
             if n.op == "experts":
                 lc.expert_slot_bytes = _expert_slot_bytes(n, itemsize)
                 lc.expert_dequant_bytes = dequant_bytes(n) // max(1, int(n.attrs["num_experts"]))
+                expert_q[n.layer] = _largest_expert_quantized(n)
             else:
                 lc.ffn_slot_bytes += slot_bytes(n, itemsize)
                 lc.ffn_dequant_bytes += dequant_bytes(n)
+                _add_quantized(quant, ("ffn", n.layer), n.weights.values())
         if n.op == "host_buffer":
             continue
         if n.op == "kv_load":
             lc.kv_bytes_per_ctx += int(n.attrs["bytes_per_ctx_token"])
         elif n.op == "attention":
             lc.attn_q_width, lc.attn_out_width = attention_widths(n.attrs)
+            lc.attn_heads, lc.attn_kv_expanded = int(n.attrs.get("num_heads", 0)), expanded_kv_width(n.attrs)
             lc.attn_bytes += n.weight_bytes
             lc.attn_flops += n.flops_per_token
             lc.attn_ctx_flops += int(n.attrs.get("flops_per_ctx_token", 0))
@@ -229,11 +309,41 @@ def model_cost(graph: Graph) -> ModelCost:
             lc.dense_flops += n.flops_per_token
     for lc in layers.values():
         lc.attn_elem_bytes += ELEMENTWISE_PASSES["attention_kv"] * lc.kv_bytes_per_ctx
+        lc.attn_dequant_device = dequant_device_bytes(quant.get(("attn", lc.layer), (0, 0)), (0, 0), itemsize)
+        lc.ffn_dequant_device = dequant_device_bytes(quant.get(("ffn", lc.layer), (0, 0)),
+                                                     expert_q.get(lc.layer, (0, 0)), itemsize)
     return ModelCost(
         dtype=info.dtype, itemsize=itemsize, hidden=H, layers=[layers[i] for i in sorted(layers)],
         stem_bytes=stem, head_bytes=head, head_flops=head_flops, head_elem_bytes=head_elem,
         kv_bytes_per_token=info.kv_bytes_per_token,
-        act_bytes_per_token=(2 * H + 3 * inter) * 4, buffer_bytes_per_token=buffers,
+        act_bytes_per_token=(2 * H + 3 * inter) * 4, buffer_bytes_per_token=slot_bytes_per_token(graph),
         weight_bytes=graph.weight_bytes, head_dim=info.head_dim, max_context=info.max_position_embeddings,
-        head_slot_bytes=head_slot, cast_bytes=cast,
+        head_slot_bytes=head_slot, cast_bytes=cast, vocab=int(info.vocab_size),
+        head_dequant_device=dequant_device_bytes(quant.get(("head", None), (0, 0)), (0, 0), itemsize),
     )
+
+
+def _add_quantized(acc: dict[tuple[str, int | None], tuple[int, int]], key: tuple[str, int | None], weights) -> None:
+    """Add the quantized (elements, largest tensor) of `weights` to acc[key]."""
+    n, big = _quantized(weights)
+    a, b = acc.get(key, (0, 0))
+    acc[key] = (a + n, max(b, big))
+
+
+def _largest_expert_quantized(node) -> tuple[int, int]:
+    """(elements, largest tensor) of the quantized weights of the experts node's largest expert."""
+    per: dict[int, list] = {}
+    for local, w in node.weights.items():
+        per.setdefault(int(local.split(".")[0][1:]), []).append(w)
+    return max((_quantized(ws) for ws in per.values()), default=(0, 0))
+
+
+def expanded_kv_width(attrs: dict) -> int:
+    """K and V values per context position once widened to every query head (what the math
+    attention of a prompt chunk holds): heads x (key + value head dims); latent attention's
+    keys span the latent and the rope key, its values the latent."""
+    heads = int(attrs.get("num_heads", 0))
+    if attrs.get("variant") == "mla":
+        latent = int(attrs["kv_lora_rank"])
+        return heads * (2 * latent + int(attrs["qk_rope_head_dim"]))
+    return heads * 2 * int(attrs.get("head_dim", 0))

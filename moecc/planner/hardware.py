@@ -47,6 +47,21 @@ CALIBRATION_MODES: tuple[str, ...] = ("resident", "streamed")
 CALIBRATION_KINDS: tuple[str, ...] = COMPUTE_JOB_KINDS + COPY_JOB_KINDS  # the plan schema's job kinds
 CALIBRATION_FACTOR_RANGE = (0.05, 50.0)
 
+#: What a CUDA process holds on the device outside any plan (bytes): the context, 0.5-0.9 GB
+#: by driver and GPU (measured by the issue-29 run: 0.9 GB on an H200 with torch's kernels
+#: loaded lazily), and the cuBLAS / cuBLASLt workspaces (torch's default: 32 MiB per stream
+#: on Hopper, a few streams), 0.1 GB. The caching allocator's fragmentation is the planner's
+#: DEVICE_DERATE, not part of this. A CPU "device" has no context.
+CUDA_CONTEXT_BYTES = 900 * 10**6
+CUDA_WORKSPACE_BYTES = 100 * 10**6
+DEVICE_RESERVE_BYTES: dict[str, int] = {"cuda": CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES, "cpu": 0}
+
+
+def default_device_reserve(device_kind: str) -> int:
+    """The preset device reserve of a device kind (0 for one this module does not know)."""
+    return DEVICE_RESERVE_BYTES.get(device_kind, 0)
+
+
 # Fraction of memory bandwidth that the runtime's elementwise glue (norms, residual adds,
 # rope, gathers) achieves when no curve was measured (short ops, each its own pass).
 ELEMENTWISE_EFFICIENCY = 0.5
@@ -129,8 +144,16 @@ class HardwareProfile:
     # "job_s": {kind: seconds per job}, "overhead_layer_s": s, "overhead_row_s": s}};
     # empty: nothing corrected
     calibration: dict = field(default_factory=dict)
+    # device bytes the process holds that no plan sizes: the CUDA context (0.5-0.9 GB) and the
+    # cuBLAS / cuBLASLt workspaces; kept out of --gpu-mem before the plan's own bytes. A preset
+    # has DEVICE_RESERVE_BYTES[device_kind]; `moecc profile` on a device measures it (total - free
+    # after the context is up and a GEMM has run, before any arena); a JSON profile without
+    # the field gets its device kind's preset figure
+    device_reserve_bytes: int = -1  # -1: the device kind's preset figure (set in __post_init__)
 
     def __post_init__(self) -> None:
+        if self.device_reserve_bytes < 0:
+            self.device_reserve_bytes = default_device_reserve(self.device_kind)
         _validate(self.to_json(), origin=None)
 
     # ------------------------------------------------------------------ rates
@@ -235,6 +258,7 @@ class HardwareProfile:
             kwargs[key] = float(d[key])
         kwargs["copy_overlap"] = float(d.get("copy_overlap", 1.0))
         kwargs["calibration"] = copy.deepcopy(d.get("calibration", {}))
+        kwargs["device_reserve_bytes"] = int(d.get("device_reserve_bytes", -1))
         kwargs["curves"] = {kind: {k: [[float(x), float(y)] for x, y in pts] for k, pts in per.items()}
                             for kind, per in d.get("curves", {}).items()}
         return cls(**kwargs)
@@ -317,8 +341,11 @@ def _validate(d: Any, *, origin: str | None) -> None:
         if key not in known:
             raise bad(key, f"is not a hardware profile field (known: {', '.join(sorted(known))})")
     for f in fields(HardwareProfile):
-        if f.name not in d and f.name not in ("curves", "copy_overlap", "calibration"):
+        if f.name not in d and f.name not in ("curves", "copy_overlap", "calibration", "device_reserve_bytes"):
             raise bad(f.name, "is missing")
+    res = d.get("device_reserve_bytes", 0)
+    if isinstance(res, bool) or not isinstance(res, int) or res < 0:
+        raise bad("device_reserve_bytes", f"must be a whole number of bytes >= 0, got {res!r}")
     ov = d.get("copy_overlap", 1.0)
     if isinstance(ov, bool) or not isinstance(ov, (int, float)) or not -2.0 <= ov <= 1.0:
         raise bad("copy_overlap", f"must be a number from -2 to 1, got {ov!r}")

@@ -299,10 +299,11 @@ def attn_layer_parts(lc: LayerCost, rates: Rates, dtype: str, shape: StepShape, 
 def attn_layer_seconds(lc: LayerCost, rates: Rates, dtype: str, shape: StepShape, b_a: int,
                        gather: bool = True, host_fraction: float = 0.0) -> float:
     """A layer's attention micro-batches (calibrated; without the copies they steal from): the
-    host and device parts run concurrently beside a real device, one after the other on a
-    CPU-only machine (the host is the device)."""
+    host part after the device part, as the runtime runs a split (its host micro-batches'
+    projections queue behind the device micro-batches, so the host attends once the device
+    has drained them; on a CPU-only machine the host is the device)."""
     host, dev = attn_layer_parts(lc, rates, dtype, shape, b_a, gather, host_fraction)
-    return host + dev if rates.device_kind == "cpu" else max(host, dev)
+    return host + dev
 
 
 def router_seconds(lc: LayerCost, rates: Rates, dtype: str, T: float, mode: str = "resident") -> float:
@@ -425,11 +426,14 @@ def _attention_jobs(b: _StepBuilder, dtype: str, lc: LayerCost, shape: StepShape
         jobs.append(a)
         kv_users.append(a)
     lane = "compute" if r.device_kind == "cpu" else "host"
+    # a split's host part starts after its device part: the runtime queues the host
+    # micro-batches' projections behind the device micro-batches (no overlap is priced)
+    after = deps + [jobs[-1]] if jobs else deps  # (host micro-batches follow each other on their lane)
     for m in range(M_h):
         t = host_attn_micro_seconds(lc, r, dtype, S_h / M_h, T_h / M_h, c)
         first = m == 0 and not M_d  # the job that waits for the attention weights' fetch
         jobs.append(b.add(f"L{i}.host_attn.{m}", lane, b.cal("attention", t + b.stolen(wfetch if first else None)),
-                          "attention", deps, i))
+                          "attention", after, i))
     return jobs
 
 

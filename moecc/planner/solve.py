@@ -30,16 +30,28 @@ Formulation (all times in µs, memory in bytes; `x_*` one-hot choices, `r_g` res
     t_fl >= comp_fl + copy_fl - BIG . (1 - y[0])
               (with speculation: less the speculated fetch, plus what it steals: if y[0])
     T_f = sum_l t_fl + head_f (+ its fetch)
-  device memory (each phase, when --gpu-mem is set), at a 0.9 derate:
+  device memory (each phase, when --gpu-mem is set): budget = (gpu_mem - device reserve) . 0.9,
+    the reserve the process holds outside any plan (CUDA context, cuBLAS workspaces: the
+    profile's device_reserve_bytes), the 0.9 derate the caching allocator's fragmentation:
     arena = sum_g r_g . bytes_g + (p + 1) . expert slot + 2 . dense slot
+            (dense slot >= (1 - r_g) . bytes_g for every attention, dense and head group:
+             sized for what really streams, not for a resident lm_head)
             + kv (two KV buffers: kv >= the chosen (h, b_a)'s of both phases; each buffer holds
               b_a sequences of the workload's length (a split: its device part's, at most
               b_a), and at least one of the model's context; none when h = 1)
             + staging (B + tps rows of hidden state and rope)
-    arena + b_e . expert activation row + rows . hidden . 6 . itemsize (temporaries) <= budget
+    arena + temporaries of the phase <= budget, the temporaries (what lives beside the arena):
+      activations  rows . hidden . 6 . itemsize of an attention micro-batch + b_e . expert row
+      attention    the device part's attention workspace (costs.ModelCost.attention_workspace:
+                   math-SDPA scores of a micro-batch, a prompt chunk's K/V widened to every head)
+      logits       head rows . vocab . (itemsize + 4) (the head's and the worker's fp32 copy)
+      sampler      head rows . vocab . 4 . 2 (the sampler's fp32 temporaries)
+      dequantize   the largest module's quantized weights materialised, with fp32 temporaries
     The arena is what the runtime allocates (plan["arena"]); temporaries live beside it.
-  host memory (when --host-mem is set), at a 0.8 derate:
+  host memory (when --host-mem is set), with the host reserve kept out of it (host_memory.py):
     weights + B . blocks per sequence . block bytes + rows . host-buffer bytes per row <= budget
+    (host buffers per row: one per slot that insert_host_buffers shares by liveness, not one
+    per layer boundary; B candidates include the largest B host memory holds per prefill step)
   objective (per request): minimise output/B . T_decode + prompt/tps . T_prefill
     (prompt: the tokens a request computes, (1 - shared prefix share) of its prompt),
     i.e. maximise the job's generated tokens/s; B and tps are enumerated outside (each a
@@ -64,7 +76,7 @@ from moecc.planner.costs import ModelCost
 from moecc.planner.host_memory import HostReserve, fits, host_bytes, host_reserve
 from moecc.planner.schedule import Rates, StepShape, experts_in_use, speculated_experts, split_shape
 
-DEVICE_DERATE = 0.9
+DEVICE_DERATE = 0.9  # of what the caching allocator may hold: its fragmentation margin
 KV_BLOCK = KV_BLOCK_SIZE
 NO_OVERLAP = 0.1  # a profile whose copies hide less than this behind compute gets no prefetch
 CPU_FRESH_MAP_BYTES = 32 * 2**20
@@ -86,7 +98,9 @@ class Problem:
     host_reserve_given: int | None = None  # --host-reserve: replaces the modelled reserve
     host_available: int | None = None  # this machine's available host memory (sizes the KV pool without --host-mem)
     b_e_options: tuple[int, ...] = (8, 32, 128, 256, 512, 1024, 2048, 4096)
-    tps_options: tuple[int, ...] = (256, 1024, 2048, 4096, 8192)
+    # up to 16384: a prefill step of a model that streams most of its weights must hold enough
+    # tokens to amortise one pass over them (DeepSeek-V2 on an A5000: ~18 s of link a pass)
+    tps_options: tuple[int, ...] = (256, 1024, 2048, 4096, 8192, 16384)
     prefetch_options: tuple[int, ...] = (0, 1, 2, 3)
     b_a_options_max: int = 6  # how many powers of two below B to offer for b_a
     pareto: bool = True  # drop dominated options before solving (exact; off only to test that)
@@ -94,6 +108,7 @@ class Problem:
     split_options: tuple[float, ...] = (0.75, 0.5, 0.25)  # host fractions of a split offered by auto
     host_fractions: dict[str, tuple[float, ...]] | None = None  # per phase, offered (overrides `attention`)
     shared_prefix: float = 0.0  # share of prompt tokens computed once (prefix sharing; cost_model.Workload)
+    device_reserve_given: int | None = None  # replaces the profile's device_reserve_bytes (tests: 0)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_CHOICES:
@@ -111,6 +126,31 @@ class Problem:
             return (1.0,) if self.attention == "host" else (0.0,)
         splits = () if self.rates.device_kind == "cpu" else self.split_options
         return (1.0, *splits, 0.0)
+
+    @property
+    def device_reserve(self) -> int:
+        """Device bytes the process holds outside the plan (CUDA context, library workspaces):
+        the given figure, else the profile's (0 for a profile without one)."""
+        if self.device_reserve_given is not None:
+            return int(self.device_reserve_given)
+        return int(getattr(self.rates, "device_reserve_bytes", 0) or 0)
+
+    @property
+    def device_budget(self) -> int | None:
+        """Device bytes the plan's arena and temporaries may take: (--gpu-mem - the device
+        reserve) x DEVICE_DERATE (never below 0); None without --gpu-mem."""
+        if self.gpu_mem is None:
+            return None
+        return max(0, int((self.gpu_mem - self.device_reserve) * DEVICE_DERATE))
+
+    def gpu_mem_for(self, planned: int) -> int:
+        """The --gpu-mem at which `planned` bytes of arena and temporaries fit (device_budget's inverse)."""
+        return int(math.ceil(planned / DEVICE_DERATE)) + self.device_reserve
+
+    def dense_slot_groups(self) -> dict[str, int]:
+        """The residency groups a dense slot streams (attention, dense / shared MLPs, head) and
+        their bytes as placed: a dense slot holds the largest of them not resident."""
+        return {g: b for g, b in self.groups().items() if not g.endswith(".experts")}
 
     @property
     def seq_len(self) -> int:
@@ -249,10 +289,15 @@ class _Tables:
     # (phase, rows, prefetch depth) -> group -> (ns, ns at bytes / rate) of its fetch that the
     # runtime speculates on (before routing, beside attention); only groups with some
     spec_ns: dict[tuple[str, int, int], dict[str, tuple[int, int]]]
-    dev_fixed: int  # two dense slots
-    dev_att: dict[DecKey, int]  # decode temporaries of an attention micro-batch
+    dev_fixed: int  # two dense slots when nothing is resident (the largest group streams)
+    dense_groups: dict[str, int]  # groups a dense slot streams -> bytes (the slot: the largest not resident)
+    dev_dec_head: dict[str, int]  # "logits", "sampler": of B rows, the most a step samples (either phase)
+    dev_dequant: int  # the largest module's dequantize (either phase)
+    dev_att_ws: dict[DecKey, int]  # the attention workspace part of dev_att
+    dev_pre_ws: dict[PreKey, int]  # the attention workspace part of dev_pre
+    dev_att: dict[DecKey, int]  # decode temporaries of an attention micro-batch (with its attention workspace)
     dev_b_e: dict[int, int]  # decode temporaries of an expert chunk
-    dev_pre: dict[PreKey, int]  # prefill temporaries
+    dev_pre: dict[PreKey, int]  # prefill temporaries (activations, attention workspace, logits, sampler)
     dev_p: dict[int, int]  # expert slots
     dev_kv_dec: dict[DecKey, int]  # KV buffers for a decode option
     dev_kv_pre: dict[PreKey, int]  # KV buffers for a prefill option
@@ -270,7 +315,8 @@ def _tables(pr: Problem, B: int) -> _Tables:
     workload's step shapes, bytes; dominated options dropped when `pr.pareto`."""
     b_a, b_e, pre_tps, p = _options(pr, B)
     att = [(h, a) for h in pr.offered_fractions("decode") for a in b_a]
-    pre = [(t, a, e, h) for t in pre_tps for a in b_a for e in b_e for h in pr.offered_fractions("prefill")]
+    pre = [(t, a, e, h) for t in pre_tps for a in prefill_b_a(pr, B, t) for e in b_e
+           for h in pr.offered_fractions("prefill")]
     times = _times(pr, B, att, b_e, pre, max(pre_tps))
     times["spec_ns"] = _speculated_times(pr, times["fetch_ns"], times["steal_fetch_ns"],
                                          [("decode", B)] + [("prefill", t) for t in pre_tps], p)
@@ -279,8 +325,9 @@ def _tables(pr: Problem, B: int) -> _Tables:
         att, b_e, pre = _prune(pre_tps, att, b_e, pre, times, mem)
     host = host_bytes(pr.cost, pr.seq_len, B, min(pre_tps))
     room = None
-    if pr.gpu_mem is not None:  # what residency may take at most: the budget less two dense slots and one expert slot
-        room = int(pr.gpu_mem * DEVICE_DERATE) - mem["dev_fixed"] - min(mem["dev_p"].values())
+    if pr.gpu_mem is not None:  # what residency may take at most: the budget less one expert slot and the
+        # least of the temporaries (dense slots may be empty when every dense group is resident)
+        room = pr.device_budget - min(mem["dev_p"].values()) - mem["dev_dequant"] - sum(mem["dev_dec_head"].values())
     return _Tables(B=B, att=att, b_e=b_e, pre=pre, p=p, groups=pr.groups(), **times, **mem, host_bytes=host,
                    steal=int(round((1.0 - pr.rates.copy_overlap) * STEAL_SCALE)), w_dec=pr.output_tokens / B,
                    w_pre={k: pr.prefill_tokens / k[0] for k in pre}, room=room)
@@ -294,6 +341,14 @@ def tps_offered(pr: Problem, B: int) -> list[int]:
         fit = [t for t in pre_tps if t * pr.cost.hidden * 4 < CPU_FRESH_MAP_BYTES]
         pre_tps = fit or pre_tps[:1]
     return pre_tps
+
+
+def prefill_b_a(pr: Problem, B: int, tps: int) -> list[int]:
+    """Prefill micro-batch sizes offered for steps of `tps` prompt tokens at batch B: powers of
+    two below the step's own sequences (not B's: a step of 32 prompts needs micro-batches of a
+    few of them, whose activations a large step's device budget can hold), at most B."""
+    seqs = min(B, pr.workload.prefill_shape(tps).S)
+    return sorted({max(1, seqs >> i) for i in range(pr.b_a_options_max)})
 
 
 def _options(pr: Problem, B: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -410,17 +465,45 @@ def _memory(pr: Problem, B: int, att: list[DecKey], b_e: list[int], pre: list[Pr
     def kv_pre(k: PreKey) -> int:
         return pr.kv_buffer_bytes(pr.kv_buffer_seqs(wl.prefill_shape(k[0]).S, k[3], k[1]))
 
+    ws_dec = {k: _decode_workspace(pr, B, k) for k in att}
+    ws_pre = {k: _prefill_workspace(pr, k) for k in pre}
+    dense = pr.dense_slot_groups()
     return {
-        "dev_fixed": 2 * c.dense_slot_bytes if pr.copies else 0,
-        "dev_att": {k: k[1] * c.hidden * 6 * it for k in att},
+        "dev_fixed": 2 * max(dense.values(), default=0) if pr.copies else 0,
+        "dense_groups": dense,
+        "dev_dec_head": {"logits": c.logits_bytes(B), "sampler": c.sampler_bytes(B)},
+        "dev_dequant": c.dequant_device_bytes,
+        "dev_att_ws": ws_dec, "dev_pre_ws": ws_pre,
+        "dev_att": {k: k[1] * c.hidden * 6 * it + ws_dec[k] for k in att},
         "dev_b_e": {e: e * c.act_bytes_per_token for e in b_e},
         "dev_pre": {k: min(k[0], k[1] * max(1, int(pr.prefill_tokens))) * c.hidden * 6 * it
-                    + k[2] * c.act_bytes_per_token for k in pre},
+                    + k[2] * c.act_bytes_per_token + ws_pre[k] for k in pre},
         "dev_p": {q: (q + 1) * c.expert_slot_bytes for q in p},
         "dev_kv_dec": {k: pr.kv_buffer_bytes(pr.kv_buffer_seqs(B, k[0], k[1])) for k in att},
         "dev_kv_pre": {k: kv_pre(k) for k in pre},
         "dev_stage": {k: pr.stage_bytes(B, k[0]) for k in pre},
     }
+
+
+def _decode_workspace(pr: Problem, B: int, k: DecKey) -> int:
+    """Attention workspace of a decode micro-batch's device part: its sequences at the
+    workload's full length (0 when attention is all on the host)."""
+    seqs = pr.kv_buffer_seqs(B, k[0], k[1])
+    return pr.cost.attention_workspace(seqs, 1, pr.seq_len, prompt_chunk=False) if seqs > 0 else 0
+
+
+def _prefill_workspace(pr: Problem, k: PreKey) -> int:
+    """Attention workspace of a prefill step's device part: a prompt chunk (one sequence at a
+    time, at most the prompt's tokens, over the whole prompt), or decode rows of a mixed step
+    in a micro-batch of b_a sequences, whichever is larger (0 when all on the host)."""
+    tps, b_a, _, h = k
+    seqs = pr.kv_buffer_seqs(pr.workload.prefill_shape(tps).S, h, b_a)
+    if seqs <= 0:
+        return 0
+    prompt = int(math.ceil(pr.prompt_tokens))
+    chunk = min(tps, int(math.ceil(pr.prefill_tokens)))
+    return max(pr.cost.attention_workspace(1, chunk, prompt, prompt_chunk=True),
+               pr.cost.attention_workspace(b_a, 1, pr.seq_len, prompt_chunk=False))
 
 
 def _prune(pre_tps: list[int], att: list[DecKey], b_e: list[int], pre: list[PreKey], times: dict[str, Any],
@@ -566,7 +649,7 @@ def _cp_sat(pr: Problem, tb: _Tables, pre: list[PreKey], time_limit_s: float) ->
         m.Add(T == sum(ts) + head)
         phase_T[phase] = T
     if pr.gpu_mem is not None:
-        _device_budget(m, tb, int(pr.gpu_mem * DEVICE_DERATE), (xa, xe, z, y, rg), pre)
+        _device_budget(m, tb, pr.device_budget, (xa, xe, z, y, rg), pre)
     # integer weights in proportion to the steps per request (largest 10^4: keeps CP-SAT's
     # arithmetic far from int64 limits; relative rounding <= 1e-4)
     scale = 1e4 / max(tb.w_dec, tb.w_pre[pre[0]])
@@ -650,10 +733,25 @@ def _device_budget(m: Any, tb: _Tables, budget: int, v: tuple[dict, ...], pre: l
     kv = m.NewIntVar(0, budget, "kv_buffers")  # one arena for both phases: the larger KV buffers
     m.Add(kv >= sum(xa[k] * tb.dev_kv_dec[k] for k in tb.att))
     m.Add(kv >= sum(z[k] * tb.dev_kv_pre[k] for k in pre))
-    arena = res + slots + tb.dev_fixed + kv + sum(z[k] * tb.dev_stage[k] for k in pre)
-    m.Add(arena + sum(xa[k] * tb.dev_att[k] for k in tb.att) + sum(xe[e] * tb.dev_b_e[e] for e in tb.b_e)
+    dense = _dense_slot_var(m, tb, rg)
+    fixed = sum(tb.dev_dec_head.values()) + tb.dev_dequant  # logits, sampler, dequantize: both phases
+    arena = res + slots + 2 * dense + kv + sum(z[k] * tb.dev_stage[k] for k in pre)
+    m.Add(arena + fixed + sum(xa[k] * tb.dev_att[k] for k in tb.att) + sum(xe[e] * tb.dev_b_e[e] for e in tb.b_e)
           <= budget)
-    m.Add(arena + sum(z[k] * tb.dev_pre[k] for k in pre) <= budget)
+    m.Add(arena + fixed + sum(z[k] * tb.dev_pre[k] for k in pre) <= budget)
+
+
+def _dense_slot_var(m: Any, tb: _Tables, rg: dict) -> Any:
+    """One dense slot's bytes as a linear term: a one-hot choice among the distinct group sizes
+    (and 0), every dense group larger than the chosen size resident. (Few booleans and a tight
+    relaxation: a max over every group's (1 - r_g) . bytes made CP-SAT's search on a 61-layer
+    model hit its time limit.)"""
+    sizes = sorted(set(tb.dense_groups.values()) | {0})
+    pick = {z: m.NewBoolVar(f"dense_slot={z}") for z in sizes}
+    m.AddExactlyOne(pick.values())
+    for g, b in tb.dense_groups.items():
+        m.AddBoolOr([rg[g]] + [pick[z] for z in sizes if z >= b])
+    return sum(z * v for z, v in pick.items())
 
 
 def _routed_groups(tb: _Tables, layer: int) -> list[str]:
@@ -670,7 +768,7 @@ def _evaluate(pr: Problem, tb: _Tables, ch: Choice) -> tuple[float, int, int, li
     """The linear model's (objective, T_decode, T_prefill, binding terms) for a choice, or
     None when it breaks a memory budget."""
     dev = _device_bytes(pr, tb, ch)
-    if pr.gpu_mem is not None and max(dev["decode_total"], dev["prefill_total"]) > int(pr.gpu_mem * DEVICE_DERATE):
+    if pr.gpu_mem is not None and max(dev["decode_total"], dev["prefill_total"]) > pr.device_budget:
         return None
     binding: list[str] = []
     Ts = {}
@@ -720,20 +818,41 @@ def _layer_value(tb: _Tables, ch: Choice, phase: str, i: int) -> tuple[float, st
     return t, "copy" if copy > comp else "compute"
 
 
+def dense_slot_bytes(groups: dict[str, int], resident: frozenset[str]) -> int:
+    """One dense slot: the largest of `groups` (Problem.dense_slot_groups) that streams, i.e.
+    is not `resident` (0: all resident)."""
+    return max((b for g, b in groups.items() if g not in resident), default=0)
+
+
+def _dense_slot(tb: _Tables, ch: Choice) -> int:
+    return dense_slot_bytes(tb.dense_groups, ch.resident)
+
+
 def _device_bytes(pr: Problem, tb: _Tables, ch: Choice) -> dict[str, int]:
-    res = sum(b for g, b in tb.groups.items() if g in ch.resident)
+    """The plan's device bytes by allocation: the arena's regions, each phase's temporaries
+    by kind (activations, attention workspace, logits, sampler, dequantize) and totals (the
+    arena and a phase's temporaries: what device_budget bounds)."""
     dk, pk = dec_key(ch), pre_key(ch)
-    dec_tmp, pre_tmp = tb.dev_att[dk] + tb.dev_b_e[ch.b_e], tb.dev_pre[pk]
+    head = tb.dev_dec_head
+    parts = {"decode_activations": tb.dev_att[dk] - tb.dev_att_ws[dk] + tb.dev_b_e[ch.b_e],
+             "decode_attention_workspace": tb.dev_att_ws[dk],
+             "prefill_activations": tb.dev_pre[pk] - tb.dev_pre_ws[pk],
+             "prefill_attention_workspace": tb.dev_pre_ws[pk],
+             "logits": head["logits"], "sampler": head["sampler"], "dequantize": tb.dev_dequant}
+    fixed = head["logits"] + head["sampler"] + tb.dev_dequant
+    dec_tmp, pre_tmp = tb.dev_att[dk] + tb.dev_b_e[ch.b_e] + fixed, tb.dev_pre[pk] + fixed
     if not pr.copies:  # no budget: no arena, weights are read in place
         return {"resident_weights": 0, "expert_slots": 0, "dense_slots": 0, "kv_buffers": 0, "staging": 0,
-                "arena": 0, "decode_temporaries": dec_tmp, "prefill_temporaries": pre_tmp, "decode_total": 0,
-                "prefill_total": 0}
+                "arena": 0, **parts, "decode_temporaries": dec_tmp, "prefill_temporaries": pre_tmp,
+                "decode_total": 0, "prefill_total": 0, "device_reserve": 0}
+    res = sum(b for g, b in tb.groups.items() if g in ch.resident)
     kv = max(tb.dev_kv_dec[dk], tb.dev_kv_pre[pk])
-    arena = res + tb.dev_p[ch.prefetch] + tb.dev_fixed + kv + tb.dev_stage[pk]
-    return {"resident_weights": res, "expert_slots": tb.dev_p[ch.prefetch], "dense_slots": tb.dev_fixed,
-            "kv_buffers": kv, "staging": tb.dev_stage[pk], "arena": arena,
+    dense = 2 * _dense_slot(tb, ch)
+    arena = res + tb.dev_p[ch.prefetch] + dense + kv + tb.dev_stage[pk]
+    return {"resident_weights": res, "expert_slots": tb.dev_p[ch.prefetch], "dense_slots": dense,
+            "kv_buffers": kv, "staging": tb.dev_stage[pk], "arena": arena, **parts,
             "decode_temporaries": dec_tmp, "prefill_temporaries": pre_tmp,
-            "decode_total": arena + dec_tmp, "prefill_total": arena + pre_tmp}
+            "decode_total": arena + dec_tmp, "prefill_total": arena + pre_tmp, "device_reserve": pr.device_reserve}
 
 
 def _describe(pr: Problem, tb: _Tables, ch: Choice) -> Solution:
@@ -742,8 +861,7 @@ def _describe(pr: Problem, tb: _Tables, ch: Choice) -> Solution:
     obj, td, tp, binding = ev
     dev = _device_bytes(pr, tb, ch)
     if pr.gpu_mem is not None:
-        budget = int(pr.gpu_mem * DEVICE_DERATE)
-        slack = budget - max(dev["decode_total"], dev["prefill_total"])
+        slack = pr.device_budget - max(dev["decode_total"], dev["prefill_total"])
         if slack < max(pr.cost.max_expert_bytes, 1):
             binding.append(f"device memory (slack {slack} B)")
     host = host_bytes(pr.cost, pr.seq_len, tb.B, ch.prefill[0])
@@ -782,15 +900,54 @@ def minimum_device_bytes(pr: Problem) -> int:
 
     tb = _tables(dataclasses.replace(pr, pareto=False, gpu_mem=pr.gpu_mem or 1), 1)
     k = min(tb.pre, key=lambda k: tb.dev_pre[k] + tb.dev_kv_pre[k] + tb.dev_stage[k])
-    common = tb.dev_fixed + min(tb.dev_p.values()) + tb.dev_stage[k]
+    common = (_least_dense(tb.dense_groups) + min(tb.dev_p.values()) + tb.dev_stage[k] + sum(tb.dev_dec_head.values())
+              + tb.dev_dequant)
     kv = max(min(tb.dev_kv_dec.values()), tb.dev_kv_pre[k])
     dec = min(tb.dev_att.values()) + min(tb.dev_b_e.values())
     return common + kv + max(dec, tb.dev_pre[k])
 
 
+def _least_dense(groups: dict[str, int]) -> int:
+    """The fewest device bytes dense weights can take: the j largest groups resident and two
+    slots of the next largest, at the best j (a big lm_head is cheaper kept once than
+    streamed through two slots of its size)."""
+    sizes = sorted(groups.values(), reverse=True) + [0]
+    return min(sum(sizes[:j]) + 2 * sizes[j] for j in range(len(sizes)))
+
+
 def batch_candidates(pr: Problem) -> list[int]:
+    """Powers of two up to --max-batch, --max-batch itself and, with --host-mem, for each
+    prompt-tokens-per-step option the largest B whose KV and that step's host buffers fit it
+    (the batches host memory holds: a power of two below them can leave a third of the KV
+    pool unused); none above the largest B host memory holds at all."""
     cands = {1 << i for i in range(0, 20) if (1 << i) <= pr.max_batch} | {pr.max_batch}
+    limits = host_batch_limits(pr)
+    if limits:
+        cands = {B for B in cands if B <= max(limits)} | set(limits)
     return sorted(cands)
+
+
+def host_batch_limits(pr: Problem) -> list[int]:
+    """Per prompt-tokens-per-step option, the largest B up to --max-batch that --host-mem holds
+    with such prefill steps (empty without --host-mem; 1 where not even B = 1 fits: that B
+    is then refused)."""
+    if pr.host_mem is None:
+        return []
+
+    def fits(B: int, tps: int) -> bool:
+        return pr.host_fits(B, min(tps, max(1, int(B * pr.prefill_tokens))))
+
+    out = set()
+    for tps in pr.tps_options:
+        lo, hi = 1, int(pr.max_batch)
+        if fits(hi, tps):
+            out.add(hi)
+            continue
+        while lo < hi:  # host bytes grow with B: the last B that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid, tps) else (lo, mid - 1)
+        out.add(lo)
+    return sorted(out)
 
 
 def solve(pr: Problem, time_limit_s: float = 10.0) -> Solution | None:

@@ -33,9 +33,11 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
         "job_tokens_per_s": pred.get("job_tokens_per_s"),
         "bottleneck": pred.get("bottleneck"),
         "device_bytes": {k: v for k, v in dev.items() if v is not None},
+        "device_table": device_table(dev) if "device_reserve" in dev else None,
         "host_bytes": {k: v for k, v in host.items() if v is not None},
         "host_model": mem.get("host_model"),
         "weight_formats": weight_formats(plan),
+        "dtype": _dtype_report(plan),
         "batch": {phase: {k: batch[phase][k] for k in ("B", "b_a", "b_e", "tokens_per_step") if k in batch[phase]}
                   for phase in ("prefill", "decode")},
         "overlap": batch.get("overlap"),
@@ -108,6 +110,8 @@ def format_explain(rep: dict[str, Any]) -> str:
     if rep.get("job_tokens_per_s"):
         lines.append(f"  job      {rep['job_tokens_per_s']:12.1f} generated tok/s for the compiled workload "
                      f"{rep.get('workload')}")
+    if rep.get("dtype"):
+        lines.append(f"  computes in {rep['dtype']['compute']}: {rep['dtype']['why']}")
     lines += shared_prefix_lines(rep.get("shared_prefix"))
     lines += attention_lines(rep.get("attention"))
     ov = rep.get("overlap")
@@ -118,6 +122,9 @@ def format_explain(rep: dict[str, Any]) -> str:
     for side in ("device", "host"):
         d = rep[f"{side}_bytes"]
         if not d:
+            continue
+        if side == "device" and "device_reserve" in d:
+            lines += device_table_lines(d)
             continue
         lines.append(f"  {side} memory:")
         for k, v in d.items():
@@ -132,6 +139,59 @@ def format_explain(rep: dict[str, Any]) -> str:
     if rep.get("measured"):
         lines.append(format_comparison(rep["measured"]))
     return "\n".join(lines)
+
+
+#: The device allocations of a step, in the order explain lists them: (key or (decode key,
+#: prefill key), label). Arena regions first, then the temporaries beside the arena.
+DEVICE_ROWS: tuple[tuple[str | tuple[str, str], str], ...] = (
+    ("resident_weights", "arena: resident weights"),
+    ("expert_slots", "arena: expert slots"),
+    ("dense_slots", "arena: dense slots (2, streamed modules)"),
+    ("kv_buffers", "arena: KV staging buffers"),
+    ("staging", "arena: stage (activations, host buffers)"),
+    (("decode_activations", "prefill_activations"), "activations"),
+    (("decode_attention_workspace", "prefill_attention_workspace"), "attention workspace"),
+    ("logits", "logits (model dtype + fp32 copy)"),
+    ("sampler", "sampler temporaries"),
+    ("dequantize", "dequantize temporaries"),
+)
+
+
+def device_table(d: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """Every device allocation of a step as (label, decode bytes, prefill bytes), then the
+    plan's totals, the device reserve and the process's total (what --gpu-mem bounds)."""
+    rows = []
+    for key, label in DEVICE_ROWS:
+        dk, pk = key if isinstance(key, tuple) else (key, key)
+        rows.append((label, int(d.get(dk) or 0), int(d.get(pk) or 0)))
+    dec, pre = int(d.get("decode_total") or 0), int(d.get("prefill_total") or 0)
+    reserve = int(d.get("device_reserve") or 0)
+    rows.append(("planned (arena + temporaries)", dec, pre))
+    rows.append(("context reserve (CUDA context, cuBLAS workspaces)", reserve, reserve))
+    rows.append(("process total", dec + reserve, pre + reserve))
+    return rows
+
+
+def device_table_lines(d: dict[str, Any]) -> list[str]:
+    """The device table (device_table) under a line naming --gpu-mem, the reserve and the
+    derated budget; each total against what bounds it."""
+    gpu, budget, reserve = d.get("gpu_mem"), d.get("budget"), int(d.get("device_reserve") or 0)
+    if gpu is None:
+        head = "  device memory (no --gpu-mem: weights read in place, temporaries only):"
+    else:
+        derate = float(d.get("derate") or 0.9)
+        head = (f"  device memory: --gpu-mem {format_bytes(int(gpu))}: {format_bytes(reserve)} device reserve, of the "
+                f"rest {derate:.0%} for the plan (budget {format_bytes(int(budget or 0))}) and {1 - derate:.0%} the "
+                f"allocator's fragmentation margin")
+    lines = [head, f"    {'allocation':50s} {'decode':>10s} {'prefill':>10s}"]
+    for label, dec, pre in device_table(d):
+        tail = ""
+        if label.startswith("planned") and budget is not None:
+            tail = f"  of budget {format_bytes(int(budget))}"
+        elif label == "process total" and gpu is not None:
+            tail = f"  of --gpu-mem {format_bytes(int(gpu))}"
+        lines.append(f"    {label:50s} {format_bytes(dec):>10s} {format_bytes(pre):>10s}{tail}")
+    return lines
 
 
 def shared_prefix_lines(sp: dict[str, Any] | None) -> list[str]:
@@ -230,6 +290,13 @@ def _why(f: dict[str, Any], device_kind: str | None) -> str:
 
 def _per_s(rate: float) -> str:
     return f"{rate / 1e9:.0f} GB/s"
+
+
+def _dtype_report(plan: dict[str, Any]) -> dict[str, str]:
+    """The compute dtype and why (--dtype; plans from before it: the dtype only)."""
+    info = plan["model"]["info"]
+    d = (info.get("extra") or {}).get("dtype") or {}
+    return {"compute": info["dtype"], "why": d.get("why", "the checkpoint's (transformers' dtype=\"auto\")")}
 
 
 def weight_formats(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -1,5 +1,13 @@
 """What the worker measured: totals over the run (`EngineStats`, written to the job's stats
-file as `engine`) and, when asked for, one `StepRecord` per step."""
+file as `engine`) and, when asked for, one `StepRecord` per step.
+
+Device memory, four figures (memory/device_budget.py): `peak_device_bytes` the arena's
+highest used bytes, on CUDA at least torch's max_memory_allocated (what earlier stats files
+hold); on CUDA also `peak_allocated_bytes` and `peak_reserved_bytes` (the caching
+allocator's live tensors and what it holds) and `peak_process_device_bytes`, what the process
+holds on the device (NVML, else total - free: the CUDA context and library workspaces
+included), sampled at the end of every step, when the allocator still holds the step's
+temporaries; `gpu_mem` the plan's budget they are checked against (`within_gpu_mem`)."""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from typing import Any
 import torch
 
 from moecc_runtime.memory.arena import DeviceArena
+from moecc_runtime.memory.device_budget import process_device_bytes
 from moecc_runtime.memory.copy_engine import CopyEngine
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.scheduler.step_plan import StepPlan
@@ -47,9 +56,23 @@ class EngineStats:
     arena_bytes: int = 0  # the device arena's size (0: no arena, weights read in place)
     peak_device_bytes: int = 0  # arena bytes used at the peak (+ CUDA temporaries on CUDA)
     arena_usage: dict[str, int] = field(default_factory=dict)  # region -> highest byte used
+    peak_allocated_bytes: int = 0  # CUDA: torch.cuda.max_memory_allocated (live tensors, arena included)
+    peak_reserved_bytes: int = 0  # CUDA: torch.cuda.max_memory_reserved (what the caching allocator holds)
+    peak_process_device_bytes: int = 0  # CUDA: what the process holds (context included), sampled per step
+    process_device_source: str | None = None  # "nvml" or "mem_get_info" (this GPU's other processes too)
+    gpu_mem: int | None = None  # the plan's --gpu-mem (memory.device.gpu_mem), for within_gpu_mem
     records: list[StepRecord] | None = None  # per step, when the worker was asked to keep them
     # with records: the measured timeline of one decode and one prefill step (worker/timeline.py)
     timeline: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def within_gpu_mem(self) -> bool | None:
+        """Whether the process stayed within the plan's --gpu-mem on the device (CUDA: its true
+        peak; a CPU run: the arena's peak); None without a budget or a measurement."""
+        if self.gpu_mem is None:
+            return None
+        peak = self.peak_process_device_bytes or self.peak_device_bytes
+        return peak <= self.gpu_mem if peak else None
 
     @property
     def overlap_efficiency(self) -> float | None:
@@ -79,7 +102,7 @@ def account(st: EngineStats, plan: StepPlan, seconds: float, experts: int, copy0
         st.arena_usage = arena.usage()
         st.peak_device_bytes = arena.peak_bytes
     if device.type == "cuda":
-        st.peak_device_bytes = max(st.peak_device_bytes, torch.cuda.max_memory_allocated(device))
+        sample_device(st, device)
     T, pre = plan.tokens, plan.prefill_tokens
     st.tokens += T
     st.prefill_tokens += pre
@@ -90,3 +113,14 @@ def account(st: EngineStats, plan: StepPlan, seconds: float, experts: int, copy0
     if st.records is not None:
         st.records.append(StepRecord(seconds, len(plan.seqs), pre, T - pre, experts, plan.kv.blocks_used,
                                      allocated, live, copy_s, wait_s, copy_b))
+
+
+def sample_device(st: EngineStats, device: torch.device) -> None:
+    """CUDA: raise the device peaks of `st` to what the allocator and the process hold now."""
+    st.peak_allocated_bytes = max(st.peak_allocated_bytes, int(torch.cuda.max_memory_allocated(device)))
+    st.peak_reserved_bytes = max(st.peak_reserved_bytes, int(torch.cuda.max_memory_reserved(device)))
+    st.peak_device_bytes = max(st.peak_device_bytes, st.peak_allocated_bytes)
+    used, source = process_device_bytes(device)
+    if used is not None:
+        st.peak_process_device_bytes = max(st.peak_process_device_bytes, used)
+        st.process_device_source = source

@@ -9,7 +9,7 @@ from tests.passes.util import check_golden, graph_before, run_pass
 
 def test_solve_batch_sizes_golden():
     _, result = run_pass("solve_batch_sizes", gpu_mem=2_000_000, host_mem=64_000_000, host_reserve=48_000_000,
-                         prompt_tokens=32, output_tokens=32, hardware="a5000")
+                         prompt_tokens=32, output_tokens=32, hardware="a5000", device_reserve=0)
     check_golden("solve_batch_sizes", format_graph(result.graph))
 
 

@@ -29,6 +29,7 @@ def test_decode_shape_is_one_row_per_sequence_at_the_mean_context():
 @pytest.mark.parametrize("gpu_mem", [None, 2_000_000])
 def test_plan_predictions_are_the_cost_models_for_the_plans_choice(gpu_mem):
     _, result = run_pass("solve_batch_sizes", gpu_mem=gpu_mem, prompt_tokens=24, output_tokens=16, max_batch=64,
+                         device_reserve=0,
                          hardware="a5000")
     g = result.graph
     plan = {"batch": g.attrs["batch"], "arena": g.attrs["arena"]}

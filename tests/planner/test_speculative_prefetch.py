@@ -114,7 +114,9 @@ def test_resident_experts_are_not_fetched_at_all():
 def test_cp_sat_equals_enumeration_with_speculation(B, overlap):
     """A slow link and a budget that streams experts: the speculated fetches weigh."""
     rates = dataclasses.replace(resolve_hardware("a5000"), copy_overlap=overlap, h2d_bandwidth=2e7)
-    pr = problem(rates=rates, gpu_mem=50_000, prompt_tokens=8.0, output_tokens=8.0, tps_options=(16, 64))
+    head = cost().logits_bytes(B) + cost().sampler_bytes(B)  # the step's logits beside the 50 kB the test streams in
+    pr = problem(rates=rates, gpu_mem=50_000 + int(head / S.DEVICE_DERATE), prompt_tokens=8.0, output_tokens=8.0,
+                 tps_options=(16, 64))
     got, want = S.solve_for_batch(pr, B), S.enumerate_best(pr, B)
     assert (got is None) == (want is None) and got is not None
     steps = pr.output_tokens / B + pr.prompt_tokens / got.choice.prefill[0]
@@ -142,7 +144,8 @@ def test_explain_says_per_phase_whether_experts_are_fetched_before_routing():
     from moecc.compiler import compile_model
 
     plan = compile_model(Path(__file__).parents[1] / "passes" / "data" / "tiny-mixtral", prompt_tokens=2,
-                         output_tokens=4, max_batch=2, hardware="a5000", gpu_mem=400_000)[0]
+                         output_tokens=4, max_batch=2, hardware="a5000", gpu_mem=400_000,
+                         device_reserve=0)[0]
     ep = plan["predicted"]["expert_prefetch"]
     assert ep["decode"]["rows"] == plan["batch"]["decode"]["B"] == 2 and not ep["decode"]["before_routing"]
     line = next(x for x in format_explain(explain(plan)).splitlines() if "experts fetched before routing" in x)
