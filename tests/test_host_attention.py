@@ -360,7 +360,7 @@ def test_host_attention_matches_device_and_transformers(name, models):
     assert worst < 1e-4, f"{name}: host attention's max logit difference to transformers {worst}"
 
 
-BUDGET = dict(gpu_mem=700_000, prompt_tokens=24, output_tokens=8, max_batch=4)  # below the weights (1.5 MB)
+BUDGET = dict(gpu_mem=900_000, prompt_tokens=24, output_tokens=8, max_batch=4)  # below the weights (1.5 MB); above the working set with the step's logits and sampler temporaries
 
 
 def _compile(path, **kw):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from moecc_runtime.memory.arena import ArenaError, DeviceArena, Region, align
-from moecc_runtime.memory import pinned
+from moecc_runtime.memory import device_budget, pinned
 from moecc_runtime.memory.copy_engine import CopyEngine, DeviceToHost
 from moecc_runtime.memory.kv import KVGeometry, KVPool
 from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
@@ -190,6 +190,8 @@ class Worker:
         CUDA; a CPU run keeps the host buffers unless asked, with the same results)."""
         self.device = torch.device(device)
         refuse_unbudgeted_cuda(plan, self.device)
+        # CUDA: the allocator capped at the plan's budget before anything is allocated there
+        self.device_cap = device_budget.cap_process(plan, self.device)
         self.plan = plan
         self.info = plan["model"]["info"]
         self.cuda = self.device.type == "cuda"
@@ -216,9 +218,13 @@ class Worker:
         self.host_attention = HostAttention(self.kv, pin=self.cuda)
         self._host_share = host_fractions(plan, self.device, attention)
         self._phase = "decode"
-        self._host_bufs: dict[str, torch.Tensor] = {}  # host buffer storage by value name, reused
-        self._host_ready: dict[str, Any] = {}  # CUDA: value -> event after its last device->host write
-        self._host_read: dict[str, Any] = {}  # CUDA: value -> event after its last non-blocking read
+        # host buffers share storage by slot (the plan's host_buffer attrs.slot: values whose
+        # lives do not overlap and whose rows are the same size), as the planner counts them
+        self._slot_of = {op["name"]: op["attrs"].get("slot", op["name"]) for m in self.schedule for op in m["ops"]
+                         if op["op"] == "host_buffer"}
+        self._host_bufs: dict[Any, torch.Tensor] = {}  # host buffer storage (bytes) by slot, reused
+        self._host_ready: dict[Any, Any] = {}  # CUDA: slot -> event after its last device->host write
+        self._host_read: dict[Any, Any] = {}  # CUDA: slot -> event after its last non-blocking read
         self.keep_on_device = self.cuda if keep_on_device is None else bool(keep_on_device)
         self._slots: dict[str, tuple[int, int]] = {}  # values that may stay on the device (with an arena)
         self._widths: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # value -> row shape, dtype (learned)
@@ -228,6 +234,7 @@ class Worker:
         self.steps_on_device = 0  # steps whose values between modules stayed on the device
         self.host_buffer_writes = 0  # module outputs written to host buffers (rows of one run each)
         self.stats = EngineStats(records=[] if record_steps else None)
+        self.stats.gpu_mem = device_budget.plan_device_budget(plan)[0]  # what the true peak is held against
         self._step_no = 0
         self._trace: StepTrace | None = None  # the step being recorded for the timeline, if any
         self._layer: int | None = None  # layer of the module running (for the timeline)
@@ -431,9 +438,10 @@ class Worker:
         on the device->host stream whose event the buffer's readers wait on."""
         self.host_buffer_writes += 1
         if x.is_cuda and self.d2h is not None and isinstance(rows, slice):
-            self._host_ready[name] = self.d2h.into(full[rows], x)
+            # (the copy stream waits for the compute stream, so the slot's earlier reads come first)
+            self._host_ready[self._slot_of.get(name, name)] = self.d2h.into(full[rows], x)
             return
-        read = self._host_read.pop(name, None)
+        read = self._host_read.pop(self._slot_of.get(name, name), None)
         if read is not None:
             read.synchronize()  # a non-blocking copy out of this buffer has finished before the host writes it
         full[rows] = x.to("cpu")
@@ -462,31 +470,37 @@ class Worker:
         return _DeviceValues(T, offsets, top)
 
     def _drop_host_buffers(self, names: Any) -> None:
-        for name in names:
-            buf = self._host_bufs.pop(name, None)
+        """Release the storage of the slots whose every value is among `names` (kept on the
+        device, or all of them at close)."""
+        names = set(names)
+        for slot in {self._slot_of.get(n, n) for n in names}:
+            if any(self._slot_of.get(v, v) == slot and v not in names for v in self._slot_of):
+                continue  # another value of this slot still lives on the host
+            buf = self._host_bufs.pop(slot, None)
             if buf is not None:
-                self._settle(name)
+                self._settle(slot)
                 pinned.release(buf)
 
     def _host_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer's storage, kept across steps and grown when a step needs more, so
-        big steps do not pay fresh page faults for every buffer."""
-        need = 1
+        """A host buffer's storage: its slot's bytes, kept across steps and grown when a step
+        needs more (big steps pay no fresh page faults), viewed as [shape] of `dtype`."""
+        slot = self._slot_of.get(name, name)
+        need = torch.empty((), dtype=dtype).element_size()
         for d in shape:
             need *= d
-        buf = self._host_bufs.get(name)
-        if buf is None or buf.numel() < need or buf.dtype != dtype:
+        buf = self._host_bufs.get(slot)
+        if buf is None or buf.numel() < need:
             if buf is not None:
-                self._settle(name)
+                self._settle(slot)
                 pinned.release(buf)
-            buf = self._host_bufs[name] = pinned.host_empty((max(need, 1),), dtype, pin=self.cuda,
-                                                            what=f"host buffer {name}")
-        return buf[:need].view(shape)
+            buf = self._host_bufs[slot] = pinned.host_empty((max(need, 16),), torch.uint8, pin=self.cuda,
+                                                            what=f"host buffer slot {slot}")
+        return buf[:need].view(dtype).view(shape)
 
-    def _settle(self, name: str) -> None:
-        """CUDA: wait for the copies into and out of host buffer `name`."""
+    def _settle(self, slot: Any) -> None:
+        """CUDA: wait for the copies into and out of host buffer slot `slot`."""
         for events in (self._host_ready, self._host_read):
-            ev = events.pop(name, None)
+            ev = events.pop(slot, None)
             if ev is not None:
                 ev.synchronize()
 
@@ -600,7 +614,8 @@ class _Inputs:
             self.local[name] = x
             return x
         src = self.env[name]
-        ready = w._host_ready.get(name)  # CUDA: the buffer's device->host copies, possibly in flight
+        slot = w._slot_of.get(name, name)
+        ready = w._host_ready.get(slot)  # CUDA: the buffer's device->host copies, possibly in flight
         stage = w.stage
         # CUDA: rows of a (pinned) host buffer go to the stage without the host waiting: the
         # compute stream waits for the buffer's device->host event, the copy is non-blocking
@@ -623,7 +638,7 @@ class _Inputs:
                 dst.copy_(x, non_blocking=True)
                 read = torch.cuda.Event(blocking=True)  # whoever waits on it sleeps, not spins
                 read.record(compute)
-                w._host_read[name] = read
+                w._host_read[slot] = read
             else:
                 dst.copy_(x)
         self.local[name] = dst
