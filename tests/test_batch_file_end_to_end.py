@@ -97,8 +97,11 @@ def test_a_real_batch_file_runs_and_every_body_validates(plan_path: Path, tmp_pa
     assert greedy[0] == greedy[1] == greedy[2], "n greedy completions are the same completion"
     for cid in ("chat-schema", "chat-schema-hot"):
         for c in parsed[cid].choices:
-            assert c.finish_reason == "stop", (cid, c.message.content)
-            assert valid(json.loads(c.message.content)), (cid, c.message.content)
+            # greedy ends its document; sampled hot on random weights may use up max_tokens on
+            # the whitespace the grammar allows: whatever ended with "stop" must validate
+            if cid == "chat-schema" or c.finish_reason == "stop":
+                assert c.finish_reason == "stop", (cid, c.message.content)
+                assert valid(json.loads(c.message.content)), (cid, c.message.content)
     obj = parsed["chat-object"].choices[0]
     # random weights write one endless string inside the object: cut at max_tokens, the text so far
     # is still an object's start; ended (EOS, which the grammar allows only at the end), it parses

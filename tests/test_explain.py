@@ -101,3 +101,17 @@ def test_compare_timelines_sums_only_the_layers_a_cut_timeline_kept():
     assert c["kinds"]["compute/head"]["measured_s"] == pytest.approx(0.06)
     assert "compute/idle" not in c["kinds"] and c["layers_compared"] == 2
     assert compare_timelines(pred, {}) == {}
+
+
+def test_explain_names_the_path_streamed_weights_take(checkpoints):
+    """A budgeted plan on a CUDA preset: explain says how its streamed weights reach the device,
+    by the runtime's own rule (memory/weight_path.py); a CPU plan streams by host memcpy."""
+    from moecc.views.explain import explain, format_explain
+
+    kw = dict(gpu_mem=900_000, device_reserve=0, prompt_tokens=8, output_tokens=4, max_batch=8)
+    cuda, _ = compile_model(checkpoints("mixtral"), hardware="h200", **kw)
+    rep = explain(cuda)
+    assert rep["weight_path"]["path"] == "registered-mmap" and rep["weight_path"]["streamed_bytes"] > 0
+    assert "streamed weights" in format_explain(rep) and "by registered-mmap" in format_explain(rep)
+    cpu, _ = compile_model(checkpoints("mixtral"), hardware="cpu", **kw)
+    assert explain(cpu)["weight_path"]["path"] == "host-memcpy"

@@ -115,14 +115,13 @@ def _run(plan: dict, path: Path, reqs: list[GenRequest]) -> dict:
 
 
 def _streamed(path: Path, fraction: float) -> dict:
-    """A plan whose arena holds `fraction` of the stored weights: some groups stream."""
+    """A plan whose arena holds `fraction` of the stored weights: the experts stream (the
+    dense groups may all be resident)."""
     plan, _ = compile_model(path)
     gpu_mem = int(plan["predicted"]["weight_bytes"] * fraction)
     plan, _ = compile_model(path, gpu_mem=gpu_mem, prompt_tokens=16, output_tokens=8, max_batch=4)
-    groups = {m["residency_group"] for m in plan["schedule"]} - {None}
     lay = plan["arena"]
     assert lay is not None and lay["bytes"] <= gpu_mem < plan["predicted"]["weight_bytes"]
-    assert groups - set(lay["resident"]), "some groups must stream"
     assert lay["expert_slots"] >= 1 and not any(g.endswith(".experts") for g in lay["resident"]), "experts stream"
     return plan
 

@@ -656,8 +656,11 @@ def _cp_sat(pr: Problem, tb: _Tables, pre: list[PreKey], time_limit_s: float) ->
     m.Minimize(max(1, round(tb.w_dec * scale)) * phase_T["decode"]
                + max(1, round(tb.w_pre[pre[0]] * scale)) * phase_T["prefill"])
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1  # one search worker is deterministic: one input, one plan, every compile
+    # one search worker, stopped by CP-SAT's deterministic time (work done, not wall-clock), so
+    # one input gives one plan however loaded the machine is; the wall clock only as a backstop
+    solver.parameters.num_workers = 1
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.max_time_in_seconds = 20 * time_limit_s
     solver.parameters.relative_gap_limit = 1e-4  # optimal to 0.01%: far below the model's own error
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -43,6 +43,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
         "overlap": batch.get("overlap"),
         "workload": batch.get("workload"),
         "attention": attention_report(plan),
+        "weight_path": weight_path_report(plan),
         "expert_prefetch": pred.get("expert_prefetch"),
         "shared_prefix": pred.get("shared_prefix"),
     }
@@ -119,6 +120,7 @@ def format_explain(rep: dict[str, Any]) -> str:
         lines.append(f"  overlap: {ov.get('expert_slots')} expert slots, prefetch depth {ov.get('prefetch')}, "
                      f"resident: {', '.join(ov.get('resident') or []) or 'none'}")
     lines += expert_prefetch_lines(rep.get("expert_prefetch"))
+    lines += weight_path_lines(rep.get("weight_path"))
     for side in ("device", "host"):
         d = rep[f"{side}_bytes"]
         if not d:
@@ -215,6 +217,29 @@ def attention_report(plan: dict[str, Any]) -> dict[str, Any]:
         placed = plan["batch"][phase].get("attention") or {"where": "device", "host_fraction": 0.0}
         out[phase] = {**(pred.get(phase) or {}), **placed}
     return out
+
+
+def weight_path_report(plan: dict[str, Any]) -> dict[str, Any] | None:
+    """How the plan's streamed weights will reach the device, by the runtime's own rule
+    (moecc_runtime.memory.weight_path) on the plan's hardware, with its --host-mem as the
+    memory available (unknown without one); None for a plan without an arena."""
+    from moecc_runtime.memory.weight_path import DESCRIPTIONS, plan_streamed_bytes, predict_weight_path
+
+    if not plan.get("arena"):
+        return None
+    kind = ((plan.get("predicted") or {}).get("attention") or {}).get("device_kind") or "cuda"
+    budget = ((plan.get("memory") or {}).get("host") or {}).get("budget")
+    path = predict_weight_path(plan, kind, None if budget is None else int(budget))
+    return {"path": path.value, "how": DESCRIPTIONS[path], "streamed_bytes": plan_streamed_bytes(plan),
+            "device_kind": kind, "host_budget": budget}
+
+
+def weight_path_lines(wp: dict[str, Any] | None) -> list[str]:
+    if not wp:
+        return []
+    mem = f"--host-mem {format_bytes(int(wp['host_budget']))}" if wp.get("host_budget") else "host memory unknown"
+    return [f"  streamed weights ({format_bytes(int(wp['streamed_bytes']))} a pass) reach the {wp['device_kind']} "
+            f"device by {wp['path']}: {wp['how']} ({mem}; the runtime decides again from the run machine's memory)"]
 
 
 def attention_lines(att: dict[str, Any] | None) -> list[str]:
