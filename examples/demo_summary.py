@@ -21,8 +21,12 @@ def _mib(n: int | float | None) -> str:
 
 
 def _used(parts: dict[str, int]) -> int:
-    """Bytes planned: every part of a memory table but its budget."""
-    return sum(v for k, v in parts.items() if k != "budget" and isinstance(v, (int, float)))
+    """Bytes planned: the device's larger phase total (arena + temporaries) where the plan has
+    one; else every part of the memory table but its budget (the KV pool counted once)."""
+    if "decode_total" in parts:
+        return max(int(parts["decode_total"]), int(parts.get("prefill_total") or 0))
+    skip = {"budget", "kv_cache"} if "kv_pool" in parts else {"budget"}
+    return sum(v for k, v in parts.items() if k not in skip and isinstance(v, (int, float)))
 
 
 def _asked(prompts_path: Path) -> dict[str, str]:
