@@ -21,12 +21,12 @@ packages = find_packages(include=["moecc", "moecc.*"]) + [
 # ctypes. Optional: without a compiler the install still succeeds and the runtime falls back to
 # attention over gathered KV (`moecc_runtime.native.available()` says which).
 # The sampler's host pass (runtime/native/sample_rows.c) is built the same way; both include
-# runtime/native/vec8.h.
+# runtime/native/vec8.h and cpu.h.
 def native(name: str) -> Extension:
     return Extension(
         f"{RUNTIME_NAME}.native.{name}",
         sources=[f"{RUNTIME_DIR}/native/{name.lstrip('_')}.c"],
-        depends=[f"{RUNTIME_DIR}/native/vec8.h"],
+        depends=[f"{RUNTIME_DIR}/native/vec8.h", f"{RUNTIME_DIR}/native/cpu.h"],
         extra_compile_args=["-O3", "-std=c11", "-ffp-contract=fast"] if sys.platform != "win32" else ["/O2"],
         libraries=["m"] if sys.platform != "win32" else [],
         optional=True,

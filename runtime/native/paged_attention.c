@@ -54,6 +54,7 @@ static inline __attribute__((always_inline)) void load_vec(float *dst, const voi
     }
 }
 
+#include "cpu.h"
 #include "vec8.h"
 
 /* s[i] = exp(s[i] - mx) for i < n; returns their sum. */
@@ -147,8 +148,7 @@ static inline __attribute__((always_inline)) void pv_block(float *acc, int Dv, c
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HAVE_AVX2_CLONE 1
+#ifdef HAVE_AVX2_CLONE  /* cpu.h */
 #include <immintrin.h>
 
 /* Lane j of the result = the sum of v_j's eight lanes (a transpose-reduce: 6 hadds, 2 permutes). */
@@ -355,19 +355,6 @@ static void run_items_base(Job *j, float *scratch) {
     }
 }
 
-static int use_avx2(void) {
-#ifdef HAVE_AVX2_CLONE
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return known;
-#else
-    return 0;
-#endif
-}
-
 static void *worker(void *arg) {
     Job *j = (Job *)arg;
     const size_t n = (size_t)j->G * j->bs + (size_t)j->bs * (j->D + j->Dv) + (size_t)j->G * j->Dv;
@@ -395,17 +382,7 @@ int moecc_paged_attention(
              Hkv, G, D, Dv, bs, rows, nrows, tables, table_off, ctx, lo, sinks, scale,
              out, o_row, o_head, 0, 0};
     const int64_t items = nrows * Hkv;
-    (void)use_avx2();  /* probe the CPU once, before any thread reads the answer */
-    if (nthreads > items) nthreads = (int)items;
-    if (nthreads < 1) nthreads = 1;
-    pthread_t th[nthreads > 1 ? nthreads - 1 : 1];
-    int started = 0;
-    for (int i = 0; i < nthreads - 1; i++) {
-        if (pthread_create(&th[i], NULL, worker, &j) != 0) break;
-        started++;
-    }
-    worker(&j);  /* this thread works too */
-    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    run_threads(worker, &j, nthreads, items);
     return j.failed;
 }
 

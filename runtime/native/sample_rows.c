@@ -26,6 +26,7 @@
 #include <string.h>
 #include <Python.h>
 
+#include "cpu.h"
 #include "vec8.h"
 
 typedef struct {
@@ -201,8 +202,7 @@ static inline __attribute__((always_inline)) int64_t settle(const Job *j, int64_
     return c[last - 1].i;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HAVE_AVX2_CLONE 1
+#ifdef HAVE_AVX2_CLONE  /* cpu.h */
 __attribute__((target("avx2,fma"))) static void run_rows_avx2(Job *j, float *w, float *bmax, float *sel, Cand *c) {
     for (;;) {
         const int64_t r = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
@@ -218,19 +218,6 @@ static void run_rows_base(Job *j, float *w, float *bmax, float *sel, Cand *c) {
         if (r >= j->R) break;
         one_row(j, r, w, bmax, sel, c);
     }
-}
-
-static int use_avx2(void) {
-#ifdef HAVE_AVX2_CLONE
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return known;
-#else
-    return 0;
-#endif
 }
 
 static void *worker(void *arg) {
@@ -255,17 +242,7 @@ int moecc_draw_rows(const float *x, int64_t V, int64_t xs, const int64_t *rows, 
                     const int64_t *top_k, const float *top_p, const float *min_p, const float *u, int K,
                     int64_t *out_tok, int64_t *out_i, int nthreads) {
     Job j = {x, V, xs, rows, R, inv_t, top_p, min_p, u, top_k, K, out_tok, out_i, 0, 0};
-    (void)use_avx2();  /* probe the CPU once, before any thread reads the answer */
-    if (nthreads > R) nthreads = (int)R;
-    if (nthreads < 1) nthreads = 1;
-    pthread_t th[nthreads > 1 ? nthreads - 1 : 1];
-    int started = 0;
-    for (int i = 0; i < nthreads - 1; i++) {
-        if (pthread_create(&th[i], NULL, worker, &j) != 0) break;
-        started++;
-    }
-    worker(&j);
-    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    run_threads(worker, &j, nthreads, R);
     return j.failed;
 }
 
