@@ -68,13 +68,13 @@ def host_reserve(cost: ModelCost, given: int | None = None) -> HostReserve:
 
 def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """This machine's available host memory now (MemAvailable: free plus reclaimable page
-    cache), or None where it cannot be read."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    cache, read as the runtime reads it: moecc_runtime.memory.pinned.available_bytes), or
+    None where it cannot be read."""
+    from moecc_runtime.memory.pinned import available_bytes
+
+    got = available_bytes(meminfo)
+    if got is not None:
+        return got
     import os
 
     try:

@@ -78,7 +78,7 @@ def pinning_allowed() -> bool:
 
 def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """This machine's available host memory now (MemAvailable), or None where unknown (the
-    run-time twin of moecc/planner/host_memory.available_host_bytes)."""
+    compiler's moecc/planner/host_memory.available_host_bytes reads it through this)."""
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
