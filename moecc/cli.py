@@ -517,7 +517,8 @@ def serve_cmd(
                           threads=threads if threads is not None else max(1, (os.cpu_count() or 2) - 1))
         serve(cfg)
     except ImportError as e:
-        _fail(f"moecc serve needs Starlette, uvicorn and python-multipart: pip install 'moecc[serve]' ({e})")
+        _fail(f"moecc serve needs Starlette, uvicorn and python-multipart (moecc's own dependencies): reinstall "
+              f"moecc with `pip install .` ({e})")
     except (SizeError, MoeccError, ValueError, RuntimeError, OSError) as e:
         _fail(str(e))
 
