@@ -51,6 +51,8 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))
+from gpu_check import Clock  # noqa: E402  (the run's budget: seconds left, each phase's time)
 PREPARED = ROOT / "bench" / "out" / "gpu_check"
 TOL = 1e-4
 PLACEMENTS = ("host", "device", "split")
@@ -72,18 +74,6 @@ def bootstrap() -> None:
     from gpu_check import bootstrap as gc_bootstrap
 
     gc_bootstrap()
-
-
-class Clock:
-    """The run's budget: seconds left, and each phase's time."""
-
-    def __init__(self, budget: float):
-        self.t0 = time.time()
-        self.deadline = self.t0 + budget
-        self.phases: dict[str, float] = {}
-
-    def left(self) -> float:
-        return self.deadline - time.time()
 
 
 # -- the 4-layer Mixtral-shaped checkpoint: config, headers, random shards ---------------------
@@ -447,13 +437,17 @@ def _skip(reason: str) -> dict[str, Any]:
     return {"skipped": reason}
 
 
+def _tiny_runs(c: Ctx, budget: float) -> tuple[float, Path, dict[str, Any], list[Any]]:
+    """What phases (a) and (b) run: their deadline, the tiny checkpoint, its plan per placement, the requests."""
+    w = c.wl["tiny"]
+    return (min(c.clock.deadline, time.time() + budget), c.work / c.man["tiny_ckpt"],
+            placement_plans(c.plan("tiny-auto"), c.plan("tiny-device")),
+            requests(w["prompts"], w["min"], w["max"], w["new"], 384, 1))
+
+
 def phase_correctness(c: Ctx, budget: float) -> dict[str, Any]:
     """(a) the tiny fp32 model on the device against the CPU, every placement, keep on and off."""
-    end = min(c.clock.deadline, time.time() + budget)
-    ckpt = c.work / c.man["tiny_ckpt"]
-    plans = placement_plans(c.plan("tiny-auto"), c.plan("tiny-device"))
-    w = c.wl["tiny"]
-    reqs = requests(w["prompts"], w["min"], w["max"], w["new"], 384, 1)
+    end, ckpt, plans, reqs = _tiny_runs(c, budget)
     out: dict[str, Any] = {"tolerance": TOL, "runs": []}
     for pl in PLACEMENTS:
         plan, att, how = plans[pl]
@@ -485,11 +479,7 @@ def phase_correctness(c: Ctx, budget: float) -> dict[str, Any]:
 
 def phase_race(c: Ctx, budget: float) -> dict[str, Any]:
     """(b) race amplification in-process, and a CUDA_LAUNCH_BLOCKING=1 child: bit-equal logits."""
-    end = min(c.clock.deadline, time.time() + budget)
-    ckpt = c.work / c.man["tiny_ckpt"]
-    plans = placement_plans(c.plan("tiny-auto"), c.plan("tiny-device"))
-    w = c.wl["tiny"]
-    reqs = requests(w["prompts"], w["min"], w["max"], w["new"], 384, 1)
+    end, ckpt, plans, reqs = _tiny_runs(c, budget)
     out: dict[str, Any] = {"runs": [], "cuda_sleep": c.cuda()}
     for pl in PLACEMENTS:
         plan, att, _ = plans[pl]
