@@ -57,6 +57,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     only: no host read of a device tensor."""
     S, V = logits.shape
     dev = logits.device
+    if masks is None and all(p.temperature <= 0.0 and is_neutral(p) for p in params):
+        best, tok = logits.max(dim=-1)  # plain greedy: the finiteness check and the argmax in one pass
+        return torch.where(torch.isfinite(best), tok, torch.full_like(tok, -1))
     raw_max = logits.amax(dim=-1)  # [S]: NaN where any is NaN, +inf, or -inf when none is finite
     finite = torch.isfinite(raw_max)  # [S]
     x = _masked(logits, masks)
