@@ -6,7 +6,8 @@ reads weights where they are, but on CUDA that would mean every weight copied to
 and kept, which is what offloading exists to avoid, so the runtime refuses such a plan on
 CUDA (moecc_runtime.worker.worker.refuse_unbudgeted_cuda). The CLI, which has the compiler,
 recompiles it instead: the same checkpoint, workload and compile options (the plan's
-`predicted.compiled_with`: --attention, --hardware, --dtype) through `compile_model`, with
+`compiled_with`: --attention, --hardware, --dtype, --host-mem and the reserves, --max-batch)
+through `compile_model`, with
 `gpu_mem` = the device's free memory (torch.cuda.mem_get_info) minus a headroom of
 max(HEADROOM_MIN_BYTES, HEADROOM_FRACTION of it) for the CUDA context, the allocator's
 fragmentation and whatever else runs there. The planner derates that budget once more
@@ -67,22 +68,18 @@ def replan_for_device(plan: dict[str, Any], model_dir: Path, device: torch.devic
                         f"or compile with an explicit --gpu-mem")
     from moecc.errors import MoeccError
 
-    wl = plan["batch"]["workload"]
-    host = (plan.get("memory") or {}).get("host") or {}
-    kept = plan["predicted"].get("compiled_with") or {}  # the user's --attention, --hardware, --dtype
-    host_mem = host.get("budget")
+    wl, kept = plan["batch"]["workload"], plan["compiled_with"]  # the user's options, as compiled
     try:
         from moecc.compiler import compile_model
         from moecc.planner.cost_model import shared_prefix_of
 
-        new, _ = compile_model(model_dir, gpu_mem=budget, host_mem=host_mem,
-                               host_reserve=host.get("reserve") if host_mem is not None else None,
+        new, _ = compile_model(model_dir, gpu_mem=budget, host_mem=kept["host_mem"], host_reserve=kept["host_reserve"],
+                               device_reserve=kept["device_reserve"],
                                prompt_tokens=max(1, round(float(wl["prompt_tokens"]))),
                                output_tokens=max(1, round(float(wl["output_tokens"]))),
-                               shared_prefix=shared_prefix_of(plan),
-                               max_batch=max(int(plan["batch"]["decode"]["B"]), int(plan["batch"]["prefill"]["B"])),
-                               hardware=_hardware_kept(kept.get("hardware")),
-                               attention=kept.get("attention", "auto"), dtype=kept.get("dtype", "auto"))
+                               shared_prefix=shared_prefix_of(plan), max_batch=int(kept["max_batch"]),
+                               hardware=_hardware_kept(kept["hardware"]), attention=kept["attention"],
+                               dtype=kept["dtype"])
     except (MoeccError, ValueError, ImportError) as e:
         raise PlanError(f"{where} has no device budget (compiled without --gpu-mem) and could not be recompiled "
                         f"here for {device} ({e}); compile it with `moecc compile ... --gpu-mem <device memory>` "

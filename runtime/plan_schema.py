@@ -5,11 +5,18 @@ with torch's weights-only loader (runtime/plan.py) and nothing in it can run cod
 TypedDicts, and `validate()` checks a loaded plan against them field by field: a missing,
 unknown or mistyped field is refused with its path (`plan.batch.kv.block_size: missing`).
 
-The runtime owns this schema; the compiler imports it, and with it the facts both sides
-must agree on: the op vocabulary, the transfer ops, the arena alignment, the job kinds of
-the planner's step model, the residency group of a module, the KV geometry of a model.
+The runtime owns this schema; the compiler imports it. The rules both sides compute (block
+math, the prefix walk, placement bytes, dtypes, residency groups, speculation, the KV
+geometry and the model info) live in moecc_runtime/contract/, one file each; the records
+`model.info` (contract.model_info.ModelInfo) and `batch.kv` (contract.kv_geometry.KVGeometry)
+are those dataclasses, validated field by field like the TypedDicts here (every field
+required). Each op kind's `attrs` is its own record (plan_ops.OP_ATTRS), validated too.
 
-Version 4 (this one) added each phase's attention placement (`batch.<phase>.attention`,
+Version 5 (this one) moved the prefix sharing a plan was sized for from `predicted` into
+`batch.workload.shared_prefix` (None when none), recorded the compile options a recompile
+keeps as `compiled_with` (attention, hardware, dtype, budgets; was `predicted.compiled_with`
+with the first three), and validates every op's attrs by its kind.
+Version 4 added each phase's attention placement (`batch.<phase>.attention`,
 `AttentionPlacement`; the compiler always writes it). Version 3 added each module's
 `residency_group` and the KV geometry (`layers`, `heads`, `key_dim`, `value_dim`) under
 `batch.kv`, made `batch.kv.block_size` required,
@@ -17,76 +24,37 @@ dropped the unused `output` key, and records each weight file's header hash in t
 fingerprint. Plans of other versions are refused with "recompile". Added within version 3,
 as optional fields (plans without them load as before): weight formats (`WeightEntry.format`
 and its parts) and the sidecar of weights quantized at compile (`Fingerprint.sidecar`,
-`StoredTensor.root`), kept in version 4.
+`StoredTensor.root`), kept since.
 """
 
 # no `from __future__ import annotations`: TypedDict reads NotRequired from live annotations
+import dataclasses
 import types
 import typing
 from typing import Any, Literal, NotRequired, TypedDict, Union
 
 import torch
 
-SCHEMA = "moecc.plan"
-SCHEMA_VERSION = 4
+# the rules both sides compute (moecc_runtime/contract/), named here too for the plan's readers
+from moecc_runtime.contract.blocks import KV_BLOCK_SIZE  # noqa: F401
+from moecc_runtime.contract.job_kinds import COMPUTE_JOB_KINDS, COPY_JOB_KINDS, OP_JOB_KIND  # noqa: F401
+from moecc_runtime.contract.kv_geometry import KVGeometry, kv_geometry  # noqa: F401
+from moecc_runtime.contract.model_info import ModelInfo
+from moecc_runtime.contract.placement import ALIGN  # noqa: F401
+from moecc_runtime.contract.residency import expert_group, residency_group  # noqa: F401
+from moecc_runtime.contract.speculation import SPECULATE_ROUTED_PER_EXPERT, speculates  # noqa: F401
+from moecc_runtime.plan_ops import OP_ATTRS
 
-# -- facts both sides share -----------------------------------------------------------------
+SCHEMA = "moecc.plan"
+SCHEMA_VERSION = 5
+
+# -- the op vocabulary ---------------------------------------------------------------------
 #: Every op a plan's schedule may hold, and so every op this runtime implements.
 OpName = Literal["embed", "rope", "rmsnorm", "attention", "router", "experts", "mlp", "linear", "add", "mul",
                  "sigmoid", "lm_head", "host_buffer", "fetch_weights", "fetch_experts", "kv_load", "kv_store"]
 OPS: frozenset[str] = frozenset(typing.get_args(OpName))
 #: Ops that move data (weights to the device, KV between host and device) rather than compute.
 TRANSFER_OPS: frozenset[str] = frozenset({"fetch_weights", "fetch_experts", "kv_load", "kv_store"})
-#: Byte alignment of every tensor carved from the device arena.
-ALIGN = 256
-#: Tokens per KV block the planner sizes the pool in.
-KV_BLOCK_SIZE = 8
-#: Experts are fetched before the router has chosen them when a step's rows x top_k reach
-#: this many times the experts (the runtime does it, the planner's schedule prices it).
-SPECULATE_ROUTED_PER_EXPERT = 4
-
-
-def speculates(rows: float, top_k: int, num_experts: int) -> bool:
-    """True when a step of `rows` rows, each routed to top_k of num_experts experts, almost
-    surely uses every expert: rows * top_k >= 4 * num_experts, so under even routing an
-    expert is unused with probability (1 - k/E)^rows <= e^-4 (about 2%); a speculated
-    expert that no row chose costs only its wasted copy."""
-    return rows * top_k >= SPECULATE_ROUTED_PER_EXPERT * num_experts
-
-
-#: Job kinds of the planner's step model and of the runtime's measured timeline.
-COMPUTE_JOB_KINDS: tuple[str, ...] = ("attention", "gemm", "router", "head")
-COPY_JOB_KINDS: tuple[str, ...] = ("fetch", "kv_load")
-#: op -> its job kind on the measured timeline (ops not named here are "glue", the embedding
-#: and rope table "stem")
-OP_JOB_KIND: dict[str, str] = {"attention": "attention", "router": "router", "mlp": "gemm", "linear": "gemm",
-                               "lm_head": "head", "embed": "stem", "rope": "stem"}
-
-
-def residency_group(kind: str, layer: int | None) -> str | None:
-    """The residency group of a module's non-expert weights: what the planner keeps on the
-    device or streams as a unit (`L3.attn`, `L3.dense`, `head`; None: the stem, which runs
-    on the host). Expert weights are `expert_group(layer)`."""
-    if kind == "head":
-        return "head"
-    if kind == "attn":
-        return f"L{layer}.attn"
-    if layer is None:
-        return None
-    return f"L{layer}.dense"
-
-
-def expert_group(layer: int) -> str:
-    """The residency group of one layer's routed experts (`L3.experts`)."""
-    return f"L{layer}.experts"
-
-
-def kv_geometry(num_kv_heads: int, head_dim: int, mla: dict[str, Any] | None) -> tuple[int, int, int]:
-    """(heads, key_dim, value_dim) a layer caches per token: K and V heads, or with multi-head
-    latent attention one "head" holding the compressed latent and the rope key, and no V."""
-    if mla:
-        return 1, int(mla["kv_lora_rank"]) + int(mla["qk_rope_head_dim"]), 0
-    return int(num_kv_heads), int(head_dim), int(head_dim)
 
 
 # -- the schema -----------------------------------------------------------------------------
@@ -106,25 +74,6 @@ class Fingerprint(TypedDict):
     weight_files: dict[str, int]  # file name in the checkpoint dir -> size in bytes
     weight_headers: dict[str, str]  # file name -> sha256 of its safetensors header (the tensor layout)
     sidecar: NotRequired[Sidecar]  # a plan with weights quantized at compile
-
-
-class ModelInfo(TypedDict):
-    architecture: str
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    dtype: str
-    max_position_embeddings: int
-    bos_token_id: int | None
-    eos_token_ids: list[int]
-    pad_token_id: int | None
-    extra: dict[str, Any]  # family-specific facts (mla, hidden_act, ...)
 
 
 class ModelSection(TypedDict):
@@ -156,26 +105,43 @@ class PhaseSizes(TypedDict):
     attention: NotRequired[AttentionPlacement]  # absent (older plans): the runtime's default
 
 
-class KVGeometry(TypedDict):
-    block_size: int  # tokens per block
-    num_blocks: int
-    bytes_per_block: int  # all layers
-    layers: int
-    heads: int  # cached heads per layer (1 with latent attention)
-    key_dim: int
-    value_dim: int  # 0: the values are the latent part of the key
-
-
 class Overlap(TypedDict):
     expert_slots: int
     prefetch: int
     resident: list[str]  # residency groups kept on the device
 
 
+class SharedPrefix(TypedDict):
+    """The prefix sharing a plan was sized for (`moecc compile --prompts`:
+    moecc/planner/shared_prefix.py): the share of prompt tokens computed once, per request
+    the prompt and shared tokens (means), the prefill work left and the block size counted in."""
+
+    share: float  # in [0, 1)
+    prompt_tokens: float
+    shared_tokens: float
+    prefill_work: float  # 1 - share
+    block_size: int
+    note: str
+
+
 class Workload(TypedDict):
     prompt_tokens: float
     output_tokens: float
     seq_len: int
+    shared_prefix: SharedPrefix | None  # None: sized as if no prompt shared a prefix
+
+
+class CompiledWith(TypedDict):
+    """The compile options a recompile must keep (moecc/replan.py), as `moecc compile` was given them."""
+
+    attention: str  # auto, host, device
+    hardware: str | None  # a preset name or a profile path; None: the compiling machine's
+    dtype: str  # auto or a compute dtype
+    gpu_mem: int | None
+    host_mem: int | None
+    host_reserve: int | None
+    device_reserve: int | None
+    max_batch: int
 
 
 class Batch(TypedDict):
@@ -228,11 +194,13 @@ class Rope(TypedDict):
 
 
 class Op(TypedDict):
+    """One op of the schedule; its `attrs` follow its kind's record (plan_ops.OP_ATTRS[op])."""
+
     op: OpName
     name: str
     inputs: list[str]
     weights: dict[str, str]  # local name -> weight manifest key
-    attrs: dict[str, Any]  # op-specific
+    attrs: dict[str, Any]  # op-specific: validated against OP_ATTRS[op]
 
 
 class Module(TypedDict):
@@ -255,6 +223,7 @@ class Plan(TypedDict):
     schedule: list[Module]
     timeline: dict[str, Any] | None  # the predicted step DAGs (moecc explain --timeline)
     predicted: dict[str, Any]
+    compiled_with: CompiledWith
 
 
 class SchemaError(ValueError):
@@ -270,8 +239,10 @@ def validate(data: Any, spec: Any = Plan, path: str = "plan") -> None:
     origin = typing.get_origin(spec)
     if spec is Any:
         return
-    if typing.is_typeddict(spec):
+    if typing.is_typeddict(spec) or dataclasses.is_dataclass(spec):
         _validate_record(data, spec, path)
+        if spec is Op:
+            validate(data["attrs"], OP_ATTRS[data["op"]], f"{path}.attrs")
     elif origin in (Union, types.UnionType):
         options = typing.get_args(spec)
         if data is None and type(None) in options:
@@ -311,9 +282,10 @@ def _validate_record(data: Any, spec: Any, path: str) -> None:
     for k in data:
         if k not in hints:
             raise SchemaError(f"{path}.{k}", f"unknown field (this runtime reads {', '.join(hints)})")
+    required = getattr(spec, "__required_keys__", hints.keys())  # a dataclass record: every field
     for k, t in hints.items():
         if k not in data:
-            if k in spec.__required_keys__:
+            if k in required:
                 raise SchemaError(f"{path}.{k}", "missing")
             continue
         validate(data[k], _unwrap_not_required(t), f"{path}.{k}")

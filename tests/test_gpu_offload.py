@@ -28,7 +28,8 @@ import torch
 from moecc.compiler import compile_model
 from moecc_runtime.engine import Engine, generate
 from moecc_runtime.memory import pinned
-from moecc_runtime.memory.kv import KVGeometry, KVPool
+from moecc_runtime.contract.kv_geometry import KVGeometry
+from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.plan import PlanError, load_plan, save_plan
 from moecc_runtime.scheduler.sequence import GenRequest
 from moecc_runtime.worker.worker import Worker, _assign_slots, _device_slots
@@ -86,7 +87,8 @@ def _same(a, b) -> bool:
         and all(torch.equal(x, y) for x, y in zip(a[k].logits, b[k].logits)) for k in a)
 
 
-@pytest.mark.parametrize("attention,share", [("host", None), ("device", None), (None, 0.5)],
+@pytest.mark.parametrize("attention,share", [("host", None), pytest.param("device", None, marks=pytest.mark.slow),
+                                                 pytest.param(None, 0.5, marks=pytest.mark.slow)],
                          ids=["host", "device", "split"])
 def test_values_kept_on_the_device_give_identical_results(tiny, attention, share):
     path, plan = tiny
@@ -179,7 +181,7 @@ def test_device_slots_rules():
 
 
 def _geo(blocks: int) -> KVGeometry:
-    return KVGeometry(layers=2, heads=2, k_dim=8, v_dim=8, block_size=4, num_blocks=blocks)
+    return KVGeometry(layers=2, heads=2, key_dim=8, value_dim=8, block_size=4, num_blocks=blocks)
 
 
 @pytest.fixture
@@ -192,8 +194,8 @@ def fake_pinning(monkeypatch):
 
 def _pinned_pool(blocks: int) -> KVPool:
     g = _geo(blocks)
-    return KVPool(g.layers, g.heads, g.k_dim, block_size=g.block_size, num_blocks=g.num_blocks, dtype=torch.float32,
-                  v_head_dim=g.v_dim, pin=True)
+    return KVPool(g.layers, g.heads, g.key_dim, block_size=g.block_size, num_blocks=g.num_blocks, dtype=torch.float32,
+                  v_head_dim=g.value_dim, pin=True)
 
 
 def test_kv_pool_is_pageable_and_pins_only_when_asked(fake_pinning):
@@ -283,6 +285,7 @@ def test_replan_decision_and_budget(checkpoints, monkeypatch):
         replan.replan_for_device(quantized, path, cuda, free_bytes=lambda d: free)
 
 
+@pytest.mark.slow
 def test_exec_recompiles_an_unbudgeted_plan_for_the_device(checkpoints, tmp_path, monkeypatch):
     """`moecc exec` (in-process): the CLI hands run_job its replan hook; pretending this CPU
     is a device that needs it, the job runs on the recompiled plan (with an arena), says so
@@ -479,16 +482,19 @@ def test_cuda_copier_dmas_pinned_weights_without_staging(fake_cuda):
 
 
 def test_replan_keeps_the_users_attention_hardware_and_dtype(checkpoints):
-    """A recompile for the device's free memory keeps --attention, --hardware and --dtype (the
-    plan records them as predicted.compiled_with; issue 29)."""
+    """A recompile for the device's free memory keeps --attention, --hardware, --dtype and the
+    other budgets (the plan records them as compiled_with; issues 29, 30)."""
     from moecc import replan
     from moecc.compiler import compile_model
 
     path = checkpoints("mixtral", "per_expert")
     plan, _ = compile_model(path, prompt_tokens=8, output_tokens=4, max_batch=8, attention="device",
                             hardware="cpu", dtype="float32")
-    assert plan["predicted"]["compiled_with"] == {"attention": "device", "hardware": "cpu", "dtype": "float32"}
+    assert plan["compiled_with"] == {"attention": "device", "hardware": "cpu", "dtype": "float32", "gpu_mem": None,
+                                     "host_mem": None, "host_reserve": None, "device_reserve": None, "max_batch": 8}
     free = replan.HEADROOM_MIN_BYTES + 3_000_000
     new = replan.replan_for_device(plan, path, torch.device("cuda"), free_bytes=lambda d: free)
-    assert new is not None and new["predicted"]["compiled_with"] == plan["predicted"]["compiled_with"]
+    kept = {k: v for k, v in plan["compiled_with"].items() if k != "gpu_mem"}
+    assert new is not None and {k: v for k, v in new["compiled_with"].items() if k != "gpu_mem"} == kept
+    assert new["compiled_with"]["gpu_mem"] == replan.budget_for(free)[0]
     assert all(new["batch"][ph]["attention"]["host_fraction"] == 0.0 for ph in ("decode", "prefill"))

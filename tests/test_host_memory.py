@@ -107,6 +107,7 @@ def test_kv_pool_without_a_budget_uses_what_the_machine_has():
     assert available_host_bytes() is None or available_host_bytes() > 0
 
 
+@pytest.mark.slow
 def test_deepseek_v2_at_moe_gen_setup_plans_hundreds():
     """DeepSeek-V2 (bf16, 439 GiB) at --gpu-mem 24GB --host-mem 512GB on an A5000: refused
     at 512 GB and B=8 at 600 GB under the old 0.8 derate; now a batch in the hundreds, and

@@ -17,6 +17,7 @@ replaced:
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -24,7 +25,8 @@ import torch
 
 from moecc.compiler import compile_model
 from moecc_runtime.memory import huge_pages, pinned, pinned_weights
-from moecc_runtime.memory.kv import HostMemoryWarning, KVFitError, KVGeometry, fit_to_host
+from moecc_runtime.contract.kv_geometry import KVGeometry
+from moecc_runtime.memory.kv import HostMemoryWarning, KVFitError, fit_to_host
 from moecc_runtime.memory.weight_path import PIN_SHARE, WeightPath, choose_weight_path, pin_room
 from moecc_runtime.memory.weights import WeightStore
 
@@ -238,24 +240,17 @@ def test_streamed_weights_staged_when_pinning_is_off_or_memory_short(store_keys,
         store.close()
 
 
-def _kv_plan(blocks: int, per_block: int, weights: int, B: int = 4, seq_len: int = 64) -> dict:
-    return {"batch": {"kv": {"layers": 2, "heads": 2, "key_dim": 8, "value_dim": 8, "block_size": 16,
-                             "num_blocks": blocks, "bytes_per_block": per_block},
-                      "decode": {"B": B}, "workload": {"seq_len": seq_len}},
-            "memory": {"host": {"weights": weights, "buffers": 0, "kv_pool": blocks * per_block}}}
-
-
 def test_kv_pool_fitted_to_this_machine():
-    plan = _kv_plan(blocks=1000, per_block=1 << 20, weights=2 * GiB)
-    geo = KVGeometry(2, 2, 8, 8, 16, 1000)
-    assert fit_to_host(geo, plan, available=8 * GiB) == geo  # fits: unchanged
+    """The plan's pool (2 GiB of weights beside it, B=4 sequences of 64 tokens) on machines of less memory."""
+    geo = KVGeometry(2, 2, 8, 8, 16, 1000, bytes_per_block=1 << 20)
+    fit = functools.partial(fit_to_host, geo, 4, 64, 2 * GiB)  # B, seq_len, the plan's other host bytes
+    assert fit(available=8 * GiB) == geo  # fits: unchanged
     with pytest.warns(HostMemoryWarning, match=r"1000 blocks, 0\.98 GiB\) does not fit.*using 512 blocks"):
-        small = fit_to_host(geo, plan, available=2 * GiB + 512 * (1 << 20))
+        small = fit(available=2 * GiB + 512 * (1 << 20))
     assert small.num_blocks == 512 and small.block_size == 16
     floor = 4 * (64 // 16 + 1)
     with pytest.raises(KVFitError, match=rf"room for 3 blocks, fewer than the {floor} .*--host-mem"):
-        fit_to_host(geo, plan, available=2 * GiB + 3 * (1 << 20))
-    assert KVGeometry.from_plan(plan, kv_blocks=1000).num_blocks == 1000  # given blocks: as asked
+        fit(available=2 * GiB + 3 * (1 << 20))
 
 
 def test_the_plan_prediction_and_the_run_agree(store_keys):

@@ -5,6 +5,8 @@ the field's path and "recompile"."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,13 @@ def test_schema_ops_are_the_compilers():
     (lambda p: p["weights"][next(iter(p["weights"]))].update(offset=1.5), ".offset: expected int, got float"),
     (lambda p: p["rope"].update(inv_freq=[1.0]), "plan.rope.inv_freq: expected Tensor"),
     (lambda p: p.update(arena=[]), "plan.arena: expected an object"),
+    (lambda p: _op(p, "rmsnorm")["attrs"].pop("eps"), ".attrs.eps: missing"),
+    (lambda p: _op(p, "host_buffer")["attrs"].update(bytes_per_token="8"), ".attrs.bytes_per_token: expected int"),
+    (lambda p: _op(p, "experts")["attrs"].update(colour=1), ".attrs.colour: unknown field"),
+    (lambda p: p["batch"]["kv"].update(key_dim=None), "plan.batch.kv.key_dim: expected int"),
+    (lambda p: p["model"]["info"].pop("top_k"), "plan.model.info.top_k: missing"),
+    (lambda p: p["batch"]["workload"].pop("shared_prefix"), "plan.batch.workload.shared_prefix: missing"),
+    (lambda p: p.pop("compiled_with"), "plan.compiled_with: missing"),
 ])
 def test_bad_field_is_named(plan, tmp_path, mutate, where):
     bad = copy.deepcopy(plan)
@@ -63,11 +72,30 @@ def test_bad_field_is_named(plan, tmp_path, mutate, where):
     assert where in msg and "recompile" in msg
 
 
-def test_older_version_is_refused_with_recompile(plan, tmp_path):
+def _op(plan: dict, kind: str) -> dict:
+    """The first op of `kind` in the plan's schedule."""
+    return next(op for m in plan["schedule"] for op in m["ops"] if op["op"] == kind)
+
+
+@pytest.mark.parametrize("version", [2, 4])
+def test_older_version_is_refused_with_recompile(plan, tmp_path, version):
+    """Version 4 plans (shared_prefix under predicted, no compiled_with) are refused too."""
     old = copy.deepcopy(plan)
-    old["version"] = 2
+    old["version"] = version
     msg = _refused(old, tmp_path)
-    assert "version 2" in msg and "recompile" in msg
+    assert f"version {version}" in msg and "recompile" in msg
+
+
+def test_every_op_kind_has_an_attrs_record():
+    from moecc_runtime.plan_ops import OP_ATTRS
+
+    assert set(OP_ATTRS) == schema.OPS
+
+
+def test_v5_records_the_workload_prefix_and_the_compile_options(plan):
+    assert plan["batch"]["workload"]["shared_prefix"] is None  # compiled without --prompts
+    assert "shared_prefix" not in plan["predicted"]
+    assert set(plan["compiled_with"]) == set(typing.get_type_hints(schema.CompiledWith))
 
 
 @settings(max_examples=40, deadline=None)
@@ -93,14 +121,15 @@ def test_any_replaced_field_is_accepted_only_if_it_still_follows_the_schema(plan
         assert e.path.startswith(trail)
 
 
-def test_compiler_model_info_is_the_schemas():
-    """The compiler's ModelInfo dataclass is what the plan's model.info holds: same fields,
-    same types (the schema's TypedDict is the contract; this keeps the two from drifting)."""
-    import dataclasses
-    import typing
-
+def test_model_info_and_kv_geometry_are_defined_once(plan):
+    """The compiler's ModelInfo is the schema's (the contract's dataclass), and the runtime's
+    typed plan reads model.info and batch.kv into those same classes."""
     from moecc.ir import ModelInfo
+    from moecc_runtime.contract.plan_types import PlanView
+    from moecc_runtime.memory import kv
 
-    hints = typing.get_type_hints(ModelInfo)
-    fields = {f.name: hints[f.name] for f in dataclasses.fields(ModelInfo)}
-    assert fields == typing.get_type_hints(schema.ModelInfo)
+    assert ModelInfo is schema.ModelInfo and kv.KVGeometry is schema.KVGeometry
+    view = PlanView.of(plan)
+    assert dataclasses.asdict(view.info) == plan["model"]["info"]
+    assert dataclasses.asdict(view.kv) == plan["batch"]["kv"]
+    assert [op.name for m in view.schedule for op in m.ops] == [op["name"] for m in plan["schedule"] for op in m["ops"]]

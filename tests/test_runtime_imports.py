@@ -1,6 +1,8 @@
 """The runtime (`moecc_runtime`, source in runtime/) must never import the compiler
 (`moecc`), OR-Tools, networkx or onnx: a plan runs on a machine with only torch,
-safetensors and the tokenizer libraries installed."""
+safetensors and the tokenizer libraries installed. And the other direction: the compiler
+imports from the runtime only the contract (moecc_runtime/contract/), plan I/O and what
+`moecc/measure/` runs (COMPILER_MAY_IMPORT, an allow-list per compiler package)."""
 
 from __future__ import annotations
 
@@ -165,3 +167,78 @@ def test_static_check_catches_forbidden_imports(tmp_path: Path) -> None:
     assert sorted(f.split(": ", 1)[1] for f in found) == sorted(
         ["moecc", "networkx", "moecc.sizes", "onnx", "ortools.linear_solver", "moecc.compiler"]
     )
+
+
+# -- the compiler's side: what it may import from the runtime --------------------------------
+MOECC_DIR = REPO_ROOT / "moecc"
+#: every compiler module may import these (prefixes): the shared rules, and plan I/O (the
+#: schema, the op attrs, reading / writing / checking plans, and the safetensors header reader
+#: the plan's manifest is checked against)
+PLAN_IO = ("moecc_runtime.contract", "moecc_runtime.plan_schema", "moecc_runtime.plan_ops", "moecc_runtime.plan",
+           "moecc_runtime.memory.safetensors_header")
+#: compiler file or package (path under moecc/) -> what else it may import, and why
+COMPILER_MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    # measure/ runs the runtime's kernels and copy path to profile this machine
+    "measure/": ("moecc_runtime.worker.kernels", "moecc_runtime.memory.copy_engine", "moecc_runtime.memory.streaming"),
+    # the front doors: they run jobs (exec, perplexity, serve) and report the runtime's errors
+    "cli.py": ("moecc_runtime.job", "moecc_runtime.perplexity", "moecc_runtime.memory.arena",
+               "moecc_runtime.memory.copy_engine", "moecc_runtime.memory.weights", "moecc_runtime.scheduler.blocks"),
+    "serve/": ("moecc_runtime.job.exec",),
+    # quantizing writes the runtime's stored formats with the formats' own quantizers; test
+    # checkpoints are written in them too
+    "quantize/": ("moecc_runtime.formats",),
+    "testing/": ("moecc_runtime.formats",),
+    # explain --prompts reads a prompts file as exec does, and predicts the weight path by the runtime's rule
+    "views/explain.py": ("moecc_runtime.job.requests", "moecc_runtime.tokenizer", "moecc_runtime.memory.weight_path"),
+    # the planner sizes the KV pool by this machine's MemAvailable, read by the runtime's one reader of it
+    "planner/host_memory.py": ("moecc_runtime.memory.pinned",),
+}
+
+
+def _runtime_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every `moecc_runtime...` import in `path` (statements and literal import_module)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "moecc_runtime"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "moecc_runtime":
+            names = [a.name for a in node.names]
+            out += [(node.lineno, f"{node.module}.{n}" if node.module == "moecc_runtime" else node.module) for n in names]
+    return out
+
+
+def _allowed(rel: str, module: str) -> bool:
+    extra = [v for k, v in COMPILER_MAY_IMPORT.items() if rel == k or (k.endswith("/") and rel.startswith(k))]
+    prefixes = PLAN_IO + tuple(p for v in extra for p in v)
+    private = any(part.startswith("_") for part in module.split("."))
+    return not private and any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _compiler_files() -> list[Path]:
+    files = sorted(MOECC_DIR.rglob("*.py"))
+    assert files, f"no Python files under {MOECC_DIR}"
+    return files
+
+
+def test_compiler_imports_only_the_contract_plan_io_and_what_measure_runs() -> None:
+    """Every runtime import of the compiler is on COMPILER_MAY_IMPORT (never a private module)."""
+    bad = [f"moecc/{p.relative_to(MOECC_DIR)}:{line}: {m}" for p in _compiler_files()
+           for line, m in _runtime_imports(p) if not _allowed(str(p.relative_to(MOECC_DIR)), m)]
+    assert bad == [], ("the compiler imports runtime modules outside the contract and plan I/O; move the shared "
+                       "rule into moecc_runtime/contract/ (or, for a reason, add it to COMPILER_MAY_IMPORT):\n"
+                       + "\n".join(bad))
+
+
+@pytest.mark.parametrize(("rel", "module", "ok"), [
+    ("planner/solve.py", "moecc_runtime.contract.blocks", True),
+    ("planner/solve.py", "moecc_runtime.plan_schema", True),
+    ("planner/solve.py", "moecc_runtime.worker.kernels", False),
+    ("measure/profile.py", "moecc_runtime.worker.kernels", True),
+    ("serve/worker.py", "moecc_runtime.job.exec", True),
+    ("serve/worker.py", "moecc_runtime.job.requests", False),
+    ("cli.py", "moecc_runtime.formats._packing", False),  # private: never
+])
+def test_compiler_allow_list_itself(rel: str, module: str, ok: bool) -> None:
+    assert _allowed(rel, module) is ok

@@ -14,7 +14,7 @@ import torch
 
 from moecc.compiler import compile_model
 from moecc_runtime.job.exec import run_job
-from moecc_runtime import plan_schema
+from moecc_runtime.contract import speculation
 from moecc_runtime.memory import streaming
 from moecc_runtime.memory.arena import ArenaError, DeviceArena
 from moecc_runtime.memory.copy_engine import CopyEngine, CopyError
@@ -54,7 +54,7 @@ class Spy:
         monkeypatch.setattr(streaming.StreamedWeights, "_submit_unit", submit)
 
 
-@pytest.mark.parametrize("gpu_mem", BUDGETS)
+@pytest.mark.parametrize("gpu_mem", [BUDGETS[0], pytest.param(BUDGETS[1], marks=pytest.mark.slow)])
 def test_streamed_plan_matches_transformers(mixtral, reference, eos, gpu_mem, monkeypatch):  # noqa: F811
     path, _, prompts = mixtral
     plan = compile_streamed(path, gpu_mem)
@@ -76,20 +76,21 @@ def test_streamed_plan_matches_transformers(mixtral, reference, eos, gpu_mem, mo
         assert experts, "streamed experts must be fetched"
 
 
+@pytest.mark.slow
 def test_only_chosen_experts_are_fetched(mixtral, eos, monkeypatch):  # noqa: F811
     """Per layer and step, the experts fetched are a subset of those routed to (spied on the
     kernel's fetch list), and never more than once (fetching ahead of routing turned off)."""
-    monkeypatch.setattr(plan_schema, "SPECULATE_ROUTED_PER_EXPERT", 10**9)
+    monkeypatch.setattr(speculation, "SPECULATE_ROUTED_PER_EXPERT", 10**9)
     path, _, prompts = mixtral
     plan = compile_streamed(path, BUDGETS[0])
     assert not any(g.endswith(".experts") for g in plan["arena"]["resident"])
     routed: list[set[tuple[str, int]]] = []
     real = streaming.StreamedWeights.experts
 
-    def experts(self, op, used):
-        routed.append({(op["name"], e) for e in used})
+    def experts(self, name, used):
+        routed.append({(name, e) for e in used})
         fetched_before = len(spy.units)
-        yield from real(self, op, used)
+        yield from real(self, name, used)
         got = [u for _, u in spy.units[fetched_before:] if isinstance(u, tuple)]
         assert set(got) <= routed[-1] and len(got) == len(set(got)), (got, routed[-1])
         fetched.extend(got)
@@ -105,6 +106,7 @@ def test_only_chosen_experts_are_fetched(mixtral, eos, monkeypatch):  # noqa: F8
     assert {lane for u, lane in spy.lanes if isinstance(u, int)} <= {"normal"}
 
 
+@pytest.mark.slow
 def test_experts_fetched_ahead_of_routing_keep_results(mixtral, reference, eos, monkeypatch):  # noqa: F811
     """Steps with rows x top_k >= 4 x experts fetch a layer's first experts during its
     attention, before the router: the output stays token-identical to transformers, and per
@@ -118,17 +120,17 @@ def test_experts_fetched_ahead_of_routing_keep_results(mixtral, reference, eos, 
     ahead: list[int] = []  # experts fetched ahead per speculate call
     taken: list[int] = []  # per experts call after one: routed experts it did not fetch itself
 
-    def speculate(self, op):
+    def speculate(self, name):
         before = len(spy.units)
-        real_spec(self, op)
-        calls.append(op["name"])
+        real_spec(self, name)
+        calls.append(name)
         ahead.append(len(spy.units) - before)
 
-    def experts(self, op, used):
-        spec = op["name"] in self._spec
+    def experts(self, name, used):
+        spec = name in self._spec
         before = len(spy.units)
-        yield from real_experts(self, op, used)
-        got = [u[1] for _, u in spy.units[before:] if isinstance(u, tuple) and u[0] == op["name"]]
+        yield from real_experts(self, name, used)
+        got = [u[1] for _, u in spy.units[before:] if isinstance(u, tuple) and u[0] == name]
         assert len(got) == len(set(got)) and set(got) <= set(used)
         if spec:
             taken.append(len(used) - len(got))
@@ -150,6 +152,7 @@ def test_no_budget_means_no_arena(mixtral):  # noqa: F811
     assert plan["arena"] is None
 
 
+@pytest.mark.slow
 def test_failed_fetch_names_the_tensor_and_keeps_written_results(mixtral, tmp_path, monkeypatch):  # noqa: F811
     """A weight that cannot be read mid-job (here: the third fetch of one expert raises)
     stops the job with an error naming the tensor; the results written before remain."""
@@ -210,6 +213,7 @@ def test_copy_engine_reports_failure_with_what_was_copied():
         eng.close()
 
 
+@pytest.mark.slow
 def test_max_batch_above_the_arena_plan_is_refused_before_running(mixtral, tmp_path):  # noqa: F811
     """The arena's staging is sized for the plan's B: a larger --max-batch fails at once,
     saying what to recompile, instead of overflowing mid-job."""
@@ -226,6 +230,7 @@ def test_max_batch_above_the_arena_plan_is_refused_before_running(mixtral, tmp_p
         assert run_job(path, tmp_path / "in.jsonl", f, max_batch=B, log=None).succeeded == 1
 
 
+@pytest.mark.slow
 def test_gpt_oss_streamed_through_slots_matches_transformers(checkpoints, hf_models):  # noqa: F811
     """gpt-oss's experts (four tensors each: gate_up, its bias, down, its bias) and its
     attention with sinks stream through the arena's slots and stay token-identical."""

@@ -11,7 +11,7 @@ attention placement (`batch.<phase>.attention`, always written); predicted figur
 Guarantees: plan (graph.attrs["plan"], plain data only, loadable with weights_only=True,
 valid against the runtime's schema: each module's residency group, the KV geometry).
 Options: none (reads ctx.options.checkpoint, the frontend's Checkpoint; records
-ctx.options' attention, hardware and dtype as predicted.compiled_with, for a recompile).
+ctx.options' attention, hardware, dtype and budgets as `compiled_with`, for a recompile).
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ class EmitPlan(Pass):
             raise PassError(self.name, "ctx.options.checkpoint is not set (the frontend's Checkpoint)")
         schedule, manifest = self._schedule(g, ckpt)
         plan = _plan(g, ckpt, schedule, manifest)
-        # what a recompile for another device must keep (moecc/replan.py)
-        o = ctx.options
-        plan["predicted"]["compiled_with"] = {"attention": o.attention, "hardware": o.hardware, "dtype": o.dtype}
+        plan["compiled_with"] = _compiled_with(ctx.options)
         try:
             validate(plan)  # the runtime's schema: what it will refuse is never written
         except SchemaError as e:
@@ -120,6 +118,13 @@ def _plan(g: Graph, ckpt: Any, schedule: list[dict[str, Any]], manifest: dict[st
             **g.attrs.get("predicted", {}),
         },
     }
+
+
+def _compiled_with(o: Any) -> dict[str, Any]:
+    """What a recompile for another device must keep (moecc/replan.py; the schema's CompiledWith)."""
+    return {"attention": o.attention, "hardware": o.hardware, "dtype": o.dtype, "gpu_mem": o.gpu_mem,
+            "host_mem": o.host_mem, "host_reserve": o.host_reserve, "device_reserve": o.device_reserve,
+            "max_batch": int(o.max_batch)}
 
 
 def _sidecar_tensors(g: Graph) -> dict[str, TensorLocation] | None:

@@ -15,9 +15,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from moecc_runtime.memory.safetensors_header import FLOAT_DTYPES, ITEMSIZE  # noqa: F401 (FLOAT_DTYPES re-exported)
+from moecc_runtime.contract.dtypes import FLOAT_DTYPES, ITEMSIZE  # noqa: F401 (FLOAT_DTYPES re-exported)
+from moecc_runtime.contract.model_info import ModelInfo  # noqa: F401 (re-exported: the plan's model.info)
 from moecc_runtime.plan_schema import TRANSFER_OPS  # re-exported: the plan schema's transfer ops
-from moecc_runtime.plan_schema import kv_geometry
 
 # op -> what it computes (the runtime implements every compute op here)
 OPS: dict[str, str] = {
@@ -100,7 +100,7 @@ class WeightRef:
         return f"{self.tensor}{sel}{fmt}"
 
 
-#: bytes per element of every dtype a checkpoint may hold (the runtime's header reader's table)
+#: bytes per element of every dtype a checkpoint may hold (the contract's table: contract/dtypes.py)
 DTYPE_BYTES: dict[str, int] = ITEMSIZE
 
 
@@ -129,47 +129,6 @@ class Node:
     @property
     def weight_bytes(self) -> int:
         return sum(w.nbytes for w in self.weights.values())
-
-
-@dataclass
-class ModelInfo:
-    """Config facts every pass and the runtime need (plain data). The plan carries it as
-    `model.info`, whose schema is moecc_runtime.plan_schema.ModelInfo: the same fields, which
-    tests/test_plan_schema.py keeps equal."""
-
-    architecture: str
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    dtype: str
-    max_position_embeddings: int
-    bos_token_id: int | None
-    eos_token_ids: list[int]
-    pad_token_id: int | None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def kv_row_bytes(self) -> int:
-        """What one layer caches per token: K and V heads, or with multi-head latent attention
-        (extra["mla"]) only the compressed latent and the shared rope key."""
-        heads, key_dim, value_dim = self.kv_geometry
-        return heads * (key_dim + value_dim) * DTYPE_BYTES[self.dtype]
-
-    @property
-    def kv_geometry(self) -> tuple[int, int, int]:
-        """(heads, key_dim, value_dim) cached per layer and token (the plan schema's rule)."""
-        return kv_geometry(self.num_kv_heads, self.head_dim, self.extra.get("mla"))
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """The KV cache of one token across all layers, in the model dtype."""
-        return self.num_layers * self.kv_row_bytes
 
 
 class Graph:

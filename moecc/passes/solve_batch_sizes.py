@@ -65,8 +65,6 @@ class SolveBatchSizes(Pass):
         g.attrs["predicted"] = _predicted(pr, pred)
         g.attrs["predicted"]["attention"] = _attention_report(pr, sol, pred, float(ctx.options.solve_seconds))
         g.attrs["predicted"]["expert_prefetch"] = _expert_prefetch(pr, sol.choice)
-        if pr.shared_prefix:  # in predicted: the schema's batch.workload refuses keys it does not know
-            g.attrs["predicted"]["shared_prefix"] = _shared_prefix(pr)
         g.attrs["timeline"] = pred.timeline()  # the two DAGs as plain data: what `moecc explain --timeline` draws
         g.attrs["solution"] = _solution(sol)
         return PassResult(g, modified=True)
@@ -123,7 +121,8 @@ def _batch(pr: S.Problem, ch: Choice) -> tuple[dict[str, Any], str]:
                "bytes_per_block": cost.kv_bytes_per_token * S.KV_BLOCK},
         "overlap": {"expert_slots": ch.prefetch + 1, "prefetch": ch.prefetch,
                     "resident": sorted(ch.resident) if pr.copies else ["all"]},
-        "workload": {"prompt_tokens": pr.prompt_tokens, "output_tokens": pr.output_tokens, "seq_len": pr.seq_len},
+        "workload": {"prompt_tokens": pr.prompt_tokens, "output_tokens": pr.output_tokens, "seq_len": pr.seq_len,
+                     "shared_prefix": _shared_prefix(pr) if pr.shared_prefix else None},
         "rule": "solve_batch_sizes (CP-SAT, see moecc/planner/solve.py)",
     }, why
 

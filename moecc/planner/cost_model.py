@@ -129,13 +129,9 @@ def workload_of(plan: dict[str, Any]) -> Workload:
 
 
 def shared_prefix_of(plan: dict[str, Any]) -> float:
-    """The share of prompt tokens the plan was sized to compute once: batch.workload's
-    `shared_prefix` where the plan schema has it, else the planner's record of it in
-    predicted.shared_prefix.share (batch.workload refuses unknown keys); 0 without either."""
-    wl = plan["batch"]["workload"]
-    if "shared_prefix" in wl:
-        return float(wl["shared_prefix"])
-    return float(((plan.get("predicted") or {}).get("shared_prefix") or {}).get("share", 0.0))
+    """The share of prompt tokens the plan was sized to compute once (batch.workload.shared_prefix;
+    0 when it records none)."""
+    return float((plan["batch"]["workload"]["shared_prefix"] or {}).get("share", 0.0))
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moecc.ir import DTYPE_BYTES, FLOAT_DTYPES, Graph
-from moecc_runtime.plan_schema import ALIGN
+from moecc_runtime.contract.placement import dense_placed_bytes, placed_bytes as stored_placed_bytes
 
 
 #: Bytes a dequantize touches per weight element, as runtime/formats/ do it: the stored value
@@ -69,13 +69,13 @@ def slot_bytes_per_token(graph) -> int:
 
 
 def placed_bytes(w, itemsize: int) -> int:
-    """Arena bytes weight `w` takes in a slot, as runtime/memory/streaming.py places it: each
-    stored tensor at ALIGN; a dense tensor in the wider of its file dtype and the compute dtype
-    (one stored in another dtype is cast to the compute dtype when read), a quantized one's
-    parts as stored (dequantized on the device, next to the GEMM)."""
+    """Arena bytes weight `w` takes in a slot, as runtime/memory/streaming.py places it (the
+    contract's rule: moecc_runtime/contract/placement.py): a dense tensor in the wider of its
+    file dtype and the compute dtype, a quantized one's parts as stored (dequantized on the
+    device, next to the GEMM)."""
     if w.format != "dense":
-        return sum(-(-p.nbytes // ALIGN) * ALIGN for p in w.stored().values())
-    return -(-w.numel * max(DTYPE_BYTES[w.dtype], itemsize) // ALIGN) * ALIGN
+        return stored_placed_bytes(p.nbytes for p in w.stored().values())
+    return dense_placed_bytes(w.numel, DTYPE_BYTES[w.dtype], itemsize)
 
 
 def slot_bytes(node, itemsize: int) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from moecc_runtime.plan_schema import COMPUTE_JOB_KINDS, COPY_JOB_KINDS
+from moecc_runtime.contract.job_kinds import COMPUTE_JOB_KINDS, COPY_JOB_KINDS
 
 from moecc.errors import HardwareError
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moecc.planner.costs import ModelCost
-from moecc_runtime.plan_schema import KV_BLOCK_SIZE
+from moecc_runtime.contract.blocks import KV_BLOCK_SIZE, seq_blocks
 
 #: The runtime process: Python, torch and its allocator, the tokenizer, on CUDA the driver's
 #: host-side context and pinned staging. Measured 0.24 GiB peak RSS for `moecc exec` of the
@@ -81,12 +81,6 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def seq_blocks(tokens: int) -> int:
-    """KV blocks one sequence of `tokens` positions holds (one spare for the step that
-    crosses into a new block)."""
-    return -(-int(tokens) // KV_BLOCK_SIZE) + 1
 
 
 def host_bytes(cost: ModelCost, seq_len: int, B: int, tps: int) -> dict[str, int]:

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import networkx as nx
-from moecc_runtime.plan_schema import SPECULATE_ROUTED_PER_EXPERT, expert_group, residency_group, speculates
+from moecc_runtime.contract.residency import expert_group, residency_group
+from moecc_runtime.contract.speculation import SPECULATE_ROUTED_PER_EXPERT, speculates
 
 from moecc.planner.costs import LayerCost, ModelCost
 

@@ -1,19 +1,20 @@
 """A job's shared-prefix share: the prompt tokens whose KV the runtime's prefix sharing
 computes once (pure Python; no solver, no torch).
 
-The runtime splits a prompt into full KV blocks of `block_size` tokens, each block named by
-the hash of (its parent block's hash, its tokens); a request whose leading full blocks an
-earlier request already computed skips computing them. Only full blocks strictly before
-the prompt's last token are shared (the last token is always computed, so the block that
-holds position L - 1 never is): a prompt of L tokens offers blocks 0 .. (L - 1) // bs - 1,
-and reuses the longest chain of them, from block 0, already seen in the job.
+The runtime splits a prompt into full KV blocks of `block_size` tokens, each keyed by value
+as the contract says (moecc_runtime/contract/prefix.py: the id of its parent block's
+content, its tokens); a request whose leading full blocks an earlier request already
+computed skips computing them. Only full blocks strictly before the prompt's last token
+are shared: a prompt of L tokens offers blocks 0 .. (L - 1) // bs - 1, and reuses the
+longest chain of them, from block 0, already seen in the job. This counter walks with the
+runtime's own walk and keys (`walk`, `block_key`).
 
 `shared_prefix` walks the prompts in file order and assumes every block seen stays cached:
 an upper bound on what the runtime reuses (its KV pool evicts; requests in flight together
 may both compute a block neither had finished).
 
 The block size is the plan's (`plan["batch"]["kv"]["block_size"]`); at compile, before the
-plan exists, the planner's own: `KV_BLOCK_SIZE` of runtime/plan_schema.py, the one value
+plan exists, the planner's own: `KV_BLOCK_SIZE` of moecc_runtime/contract/blocks.py, the one value
 solve_batch_sizes writes into every plan (moecc/planner/solve.py: KV_BLOCK), not a choice
 per candidate.
 """
@@ -23,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from moecc_runtime.plan_schema import KV_BLOCK_SIZE
+from moecc_runtime.contract.blocks import KV_BLOCK_SIZE
+from moecc_runtime.contract.prefix import ROOT, BlockKey, block_key, shareable_blocks, walk
 
 UPPER_BOUND_NOTE = ("upper bound: prompts in file order, every block seen assumed still cached "
                     "(the runtime's KV pool evicts, and requests in flight together may both compute a block)")
@@ -42,25 +44,23 @@ class PrefixCounter:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, not {self.block_size}")
-        self._seen: set[int] = set()
+        # every block seen: hash of its key -> its id (the next key's parent); the hash, not the
+        # key, so a job of millions of blocks is counted in little memory
+        self._ids: dict[int, int] = {}
+
+    def _find(self, key: BlockKey) -> int | None:
+        return self._ids.get(hash(key))
 
     def add(self, ids: Sequence[int]) -> int:
         """Count one prompt; returns the tokens it reuses."""
-        bs, seen = self.block_size, self._seen
-        ids = tuple(ids)
-        n = len(ids)
+        bs, ids = self.block_size, tuple(ids)
         self.requests += 1
-        self.prompt_tokens += n
-        shareable = (n - 1) // bs if n > 0 else 0
-        parent, reused, chained = 0, 0, True
-        for b in range(shareable):
-            key = hash((parent, ids[b * bs:(b + 1) * bs]))
-            if chained and key in seen:
-                reused += bs
-            else:
-                chained = False  # a block's chain includes every block before it: no later one matches
-                seen.add(key)
-            parent = key
+        self.prompt_tokens += len(ids)
+        found = walk(ids, bs, self._find, int)
+        reused = len(found) * bs
+        parent = found[-1] if found else ROOT
+        for b in range(len(found), len(ids) // bs):  # after the chain: every full block, seen from now on (the runtime registers the last full one too)
+            parent = self._ids.setdefault(hash(block_key(parent, ids, b, bs)), len(self._ids))
         self.shared_tokens += reused
         return reused
 

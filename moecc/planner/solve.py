@@ -69,7 +69,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from moecc_runtime.plan_schema import ALIGN, KV_BLOCK_SIZE, expert_group, residency_group
+from moecc_runtime.contract.blocks import KV_BLOCK_SIZE, blocks_for
+from moecc_runtime.contract.placement import ALIGN
+from moecc_runtime.contract.residency import expert_group, residency_group
 
 from moecc.planner.cost_model import Choice, CostModel, Workload
 from moecc.planner.costs import ModelCost
@@ -211,7 +213,7 @@ class Problem:
         no sequences (attention on the host: no KV buffers)."""
         if seqs <= 0:
             return 0
-        blocks = max(seqs * -(-self.seq_len // KV_BLOCK), -(-max(self.cost.max_context, 1) // KV_BLOCK))
+        blocks = max(seqs * blocks_for(self.seq_len, KV_BLOCK), blocks_for(max(self.cost.max_context, 1), KV_BLOCK))
         return blocks * KV_BLOCK
 
     def kv_buffer_bytes(self, seqs: int) -> int:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from moecc_runtime.contract.dtypes import TORCH_DTYPES
 from moecc_runtime.memory.safetensors_header import TensorLocation, slice_of
-from moecc_runtime.memory.weights import TORCH_DTYPES
 
 from moecc.frontend.checkpoint import Checkpoint
 from moecc.ir import DTYPE_BYTES, WeightRef

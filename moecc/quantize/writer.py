@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from moecc_runtime.contract.dtypes import TORCH_DTYPES
 from moecc_runtime.memory.safetensors_header import DTYPES, Header, read_header
-from moecc_runtime.memory.weights import TORCH_DTYPES
 
 from moecc.quantize import QuantizeError
 

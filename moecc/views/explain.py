@@ -45,7 +45,7 @@ def explain(plan: dict[str, Any], prompts: Path | None = None, model_dir: Path |
         "attention": attention_report(plan),
         "weight_path": weight_path_report(plan),
         "expert_prefetch": pred.get("expert_prefetch"),
-        "shared_prefix": pred.get("shared_prefix"),
+        "shared_prefix": (batch.get("workload") or {}).get("shared_prefix"),
     }
     if prompts is not None:
         out["eta"] = _eta(plan, prompts, model_dir, default_max_tokens, out, plan_path)

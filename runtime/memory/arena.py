@@ -13,13 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moecc_runtime.plan_schema import ALIGN as PLAN_ALIGN
-
-ALIGN = PLAN_ALIGN  # the plan schema's: the planner sizes slots with it
-
-
-def align(n: int) -> int:
-    return -(-int(n) // ALIGN) * ALIGN
+from moecc_runtime.contract.placement import ALIGN, align  # noqa: F401 (the contract's: the planner sizes slots with it)
 
 
 class ArenaError(Exception):

@@ -21,7 +21,7 @@ the pool (`flush`: the host attention of that layer, the end of the step). On a 
 memory the weights' page cache needs; `KVPool(pin=True)` still does, for callers that DMA
 from it themselves.
 
-The pool is sized for the machine it runs on (`fit_to_host`, from `KVGeometry.from_plan`): a
+The pool is sized for the machine it runs on (`fit_to_host`, from `pool_geometry`): a
 plan compiled elsewhere (or when more memory was free) whose pool does not fit this machine's
 available memory now is shrunk, with a warning naming the numbers, down to the plan's batch
 of sequences of its workload's length; below that the run is refused (KVFitError).
@@ -36,6 +36,9 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.contract.blocks import seq_blocks
+from moecc_runtime.contract.kv_geometry import KVGeometry
+from moecc_runtime.contract.plan_types import PlanView
 from moecc_runtime.memory import pinned
 
 
@@ -46,49 +49,31 @@ class KVFitError(RuntimeError):
 class HostMemoryWarning(UserWarning):
     """The plan's KV pool was shrunk to fit this machine's available memory."""
 
-@dataclass(frozen=True)
-class KVGeometry:
-    """What one pool holds: layers, cached heads and their widths, blocks and block size."""
-
-    layers: int
-    heads: int  # Hkv (1 for latent attention: the latent and the rope key)
-    k_dim: int  # D
-    v_dim: int  # Dv (0 for latent attention: K holds it all)
-    block_size: int
-    num_blocks: int
-
-    @classmethod
-    def from_plan(cls, plan: dict[str, Any], kv_blocks: int | None = None,
-                  block_size: int | None = None) -> "KVGeometry":
-        """The plan's pool (plan["batch"]["kv"], written by the compiler: moecc_runtime.plan_schema
-        KVGeometry) fitted to this machine (`fit_to_host`), or `kv_blocks` blocks of
-        `block_size` when given (tests, tuning: as asked)."""
-        kv = plan["batch"]["kv"]
-        geo = cls(int(kv["layers"]), int(kv["heads"]), int(kv["key_dim"]), int(kv["value_dim"]),
-                  int(block_size or kv["block_size"]), int(kv_blocks or kv["num_blocks"]))
-        if kv_blocks is None and block_size is None:
-            geo = fit_to_host(geo, plan)
-        return geo
+def pool_geometry(plan: PlanView, kv_blocks: int | None = None, block_size: int | None = None) -> KVGeometry:
+    """The plan's pool (`plan.kv`, the compiler's contract.kv_geometry.KVGeometry) fitted to this
+    machine (`fit_to_host`), or `kv_blocks` blocks of `block_size` when given (tests, tuning: as asked)."""
+    geo = dataclasses.replace(plan.kv, block_size=int(block_size or plan.kv.block_size),
+                              num_blocks=int(kv_blocks or plan.kv.num_blocks))
+    if kv_blocks is None and block_size is None:
+        geo = fit_to_host(geo, plan.decode.B, plan.workload.seq_len, plan.host_other_bytes)
+    return geo
 
 
-def fit_to_host(geo: KVGeometry, plan: dict[str, Any], available: int | None = None) -> KVGeometry:
+def fit_to_host(geo: KVGeometry, B: int, seq_len: int, other: int, available: int | None = None) -> KVGeometry:
     """`geo` with at most the blocks this machine can hold now: its available memory
-    (MemAvailable at run time, or `available`) less the plan's weights and host buffers.
-    guarantees: unchanged when it fits or the memory is unknown; shrunk with a
-    HostMemoryWarning down to the plan's B sequences of its workload's length; KVFitError
-    (naming the numbers and what to do) below that."""
+    (MemAvailable at run time, or `available`) less `other`, the host bytes of the plan's
+    weights and host buffers. guarantees: unchanged when it fits or the memory or the block
+    bytes are unknown; shrunk with a HostMemoryWarning down to B sequences of `seq_len`
+    tokens (the plan's decode batch of its workload's length); KVFitError (naming the
+    numbers and what to do) below that."""
     avail = pinned.available_bytes() if available is None else available
-    per_block = int(plan["batch"]["kv"].get("bytes_per_block") or 0)
+    per_block = geo.bytes_per_block
     if avail is None or per_block <= 0:
         return geo
-    host = (plan.get("memory") or {}).get("host") or {}
-    other = int(host.get("weights", 0) or 0) + int(host.get("buffers", 0) or 0)
     room = avail - other
     if geo.num_blocks * per_block <= room:
         return geo
-    seq_len = int(plan["batch"].get("workload", {}).get("seq_len", geo.block_size))
-    B = int(plan["batch"]["decode"]["B"])
-    floor = B * (-(-seq_len // geo.block_size) + 1)  # planner/host_memory.seq_blocks per sequence
+    floor = B * seq_blocks(seq_len, geo.block_size)  # what the planner sized each sequence for
     fit = max(0, room) // per_block
     gib = 2 ** 30
     what = (f"the plan's KV pool ({geo.num_blocks} blocks, {geo.num_blocks * per_block / gib:.2f} GiB) does not fit "
@@ -149,8 +134,8 @@ class KVPool:
     def of(cls, geo: KVGeometry, dtype: torch.dtype, compute_device: torch.device | str = "cpu") -> "KVPool":
         """A host pool of geometry `geo` for a run computing on `compute_device`: pageable on
         every device (see the module docstring: nothing DMAs from it)."""
-        return cls(geo.layers, geo.heads, geo.k_dim, block_size=geo.block_size, num_blocks=geo.num_blocks,
-                   dtype=dtype, device="cpu", v_head_dim=geo.v_dim, pin=False)
+        return cls(geo.layers, geo.heads, geo.key_dim, block_size=geo.block_size, num_blocks=geo.num_blocks,
+                   dtype=dtype, device="cpu", v_head_dim=geo.value_dim, pin=False)
 
     def zero(self, blocks: list[int]) -> None:
         """Zero `blocks` in every layer, so the unwritten tail of a sequence's last block (read,

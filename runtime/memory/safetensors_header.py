@@ -21,16 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: safetensors dtype -> (moecc's dtype name, bytes per element)
-DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
-    "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
-}
-#: moecc's dtype name -> bytes per element
-ITEMSIZE: dict[str, int] = dict(DTYPES.values())
-#: the floating dtypes a model may compute in (float8 is a stored format, never a compute dtype)
-FLOAT_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
+# the dtype tables (safetensors code -> name and size; name -> size; the compute dtypes): the contract's
+from moecc_runtime.contract.dtypes import DTYPES, FLOAT_DTYPES, ITEMSIZE  # noqa: F401
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 
 

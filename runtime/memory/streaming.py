@@ -44,7 +44,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from moecc_runtime.memory.arena import ALIGN, ArenaError, DeviceArena, Region, align
+from moecc_runtime.contract.placement import ALIGN, align, placed_bytes
+from moecc_runtime.contract.plan_types import Op, PlanView
+from moecc_runtime.memory.arena import ArenaError, DeviceArena, Region
 from moecc_runtime.memory.copy_engine import LANES, CopyEngine, CopyError, RaceAmplifier, Ticket
 from moecc_runtime.memory import pinned, pinned_weights
 from moecc_runtime.memory.weight_path import WeightPath, other_host_bytes, streamed_keys
@@ -57,18 +59,19 @@ from moecc_runtime.worker import kernels
 ExpertWeights = tuple[torch.Tensor, ...]  # in kernels.expert_parts order: gate, up, down (or gpt-oss's four)
 
 
-def dense_keys(module: dict) -> list[str]:
-    return [k for op in module["ops"] if op["op"] != "experts" for k in op["weights"].values()]
-
-
-def expert_keys(op: dict, e: int) -> list[str]:
+def expert_keys(op: Op, e: int) -> list[str]:
     """Plan weight keys of expert `e` of an experts op, in the order its MLP takes them."""
-    return [op["weights"][f"e{e}.{part}"] for part in kernels.expert_parts(op["attrs"])]
+    return [op.weights[f"e{e}.{part}"] for part in kernels.expert_parts(op.attrs)]
+
+
+def experts_ops(plan: PlanView) -> dict[str, Op]:
+    """The plan's experts ops by name (what `experts(name, ...)` and `speculate(name)` look up)."""
+    return {op.name: op for m in plan.schedule for op in m.ops if op.op == "experts"}
 
 
 def _placed(t: torch.Tensor) -> int:
-    """Arena bytes tensor `t` takes in a slot: its bytes at ALIGN (the planner's
-    moecc/planner/costs.slot_bytes counts the same)."""
+    """Arena bytes tensor `t` takes in a slot: its bytes at ALIGN (contract/placement.py, by
+    which the planner's moecc/planner/costs.slot_bytes sizes the slot)."""
     return align(t.numel() * t.element_size())
 
 
@@ -77,8 +80,9 @@ class InPlaceWeights:
 
     weight_path: WeightPath | None = None  # nothing is copied to a device
 
-    def __init__(self, store: WeightStore):
+    def __init__(self, store: WeightStore, plan: PlanView):
         self.store = store
+        self._ops = experts_ops(plan)
         self._made: dict[str, torch.Tensor] = {}  # the running module's materialized quantized weights
 
     def enter(self, index: int) -> None:
@@ -92,11 +96,13 @@ class InPlaceWeights:
                 self._made[key] = t
         return t
 
-    def experts(self, op: dict, used: list[int]) -> Iterator[ExpertWeights]:
+    def experts(self, name: str, used: list[int]) -> Iterator[ExpertWeights]:
+        """The weights of experts `used` of experts op `name`, in that order."""
+        op = self._ops[name]
         for e in used:
             yield tuple(self.store.get(k) for k in expert_keys(op, e))  # type: ignore[misc]
 
-    def speculate(self, op: dict) -> None:
+    def speculate(self, name: str) -> None:
         """Nothing to fetch: the weights are where they are."""
 
     def close(self) -> None:
@@ -273,14 +279,18 @@ class Copier:
 class StreamedWeights:
     """Weights through the arena (see the module docstring)."""
 
-    def __init__(self, plan: dict, store: WeightStore, arena: DeviceArena, engine: CopyEngine,
+    def __init__(self, plan: PlanView, store: WeightStore, arena: DeviceArena, engine: CopyEngine,
                  copier: Copier):
-        lay = plan["arena"]
+        lay = plan.arena
+        if lay is None:
+            raise ArenaError("StreamedWeights: the plan has no device arena (compiled without --gpu-mem); "
+                             "read its weights in place (InPlaceWeights) or recompile with --gpu-mem")
         self.store, self.arena, self.engine, self.copier = store, arena, engine, copier
         self.plan = plan
-        self.schedule = plan["schedule"]
-        self._op_layer = {op["name"]: m.get("layer") for m in self.schedule for op in m["ops"]}
-        resident = set(lay["resident"])
+        self.schedule = plan.schedule
+        self._ops = experts_ops(plan)
+        self._op_layer = {op.name: m.layer for m in self.schedule for op in m.ops}
+        resident = set(lay.resident)
         self.views: dict[str, dict[str, torch.Tensor]] = {}  # resident key -> its stored tensors in the arena
         self._cur: dict[str, dict[str, torch.Tensor]] = {}  # the running module's streamed weights, the same
         self._made: dict[str, torch.Tensor] = {}  # the running module's dequantized weights
@@ -288,28 +298,28 @@ class StreamedWeights:
         self.resident_experts: set[str] = set()  # expert op names whose experts are resident
         res_keys: list[str] = []
         for m in self.schedule:
-            g = m["residency_group"]  # None: host only (the stem)
-            keys = dense_keys(m) if g is not None else []
+            g = m.residency_group  # None: host only (the stem)
+            keys = m.dense_keys() if g is not None else []
             if g is not None and g in resident:
                 res_keys += keys
                 self.units.append(None)
             else:
                 self.units.append(keys or None)
-            for op in m["ops"]:
-                if op["op"] == "experts" and expert_group(m["layer"]) in resident:
-                    self.resident_experts.add(op["name"])
-                    res_keys += list(op["weights"].values())
+            for op in m.ops:
+                if op.op == "experts" and m.layer is not None and expert_group(m.layer) in resident:
+                    self.resident_experts.add(op.name)
+                    res_keys += list(op.weights.values())
         self._load_resident(res_keys)
         self.race = engine.race
         copier.race = self.race
-        dense, n, expert = int(lay["dense_slot_bytes"]), int(lay["expert_slots"]), int(lay["expert_slot_bytes"])
+        dense, n, expert = lay.dense_slot_bytes, lay.expert_slots, lay.expert_slot_bytes
         self.dense = _SlotPool(arena.region("dense_slots", 2 * align(dense)), 2, dense, self.race)
         self.expert_pool = _SlotPool(arena.region("expert_slots", n * align(expert)), n, expert, self.race)
         self._pending: dict[int, tuple[_Slot, Ticket, dict[str, torch.Tensor]]] = {}
         self._holding: _Slot | None = None  # the running module's dense slot
         self._spec: dict[str, list[tuple[_Slot, Ticket, dict[str, torch.Tensor], int]]] = {}  # fetched ahead of routing
         self.streamed = [i for i, u in enumerate(self.units) if u]
-        self.pins = pinned_weights.pin_streamed(store, self._streamed_keys(), arena.device, other_host_bytes(plan))
+        self.pins = pinned_weights.pin_streamed(store, self._streamed_keys(), arena.device, other_host_bytes(plan.raw))
         copier.pins = self.pins if self.pins.pinned_bytes else None
 
     @property
@@ -320,10 +330,9 @@ class StreamedWeights:
     def _streamed_keys(self) -> list[str]:
         """Every weight that goes through a slot (weight_path.streamed_keys: the rule's figure
         and the runtime's pins agree), checked against this object's own split."""
-        keys = streamed_keys(self.plan)
+        keys = streamed_keys(self.plan.raw)
         mine = {k for u in self.units if u for k in u} | {
-            k for m in self.schedule for op in m["ops"]
-            if op["op"] == "experts" and op["name"] not in self.resident_experts for k in op["weights"].values()}
+            k for op in self._ops.values() if op.name not in self.resident_experts for k in op.weights.values()}
         if set(keys) != mine:
             raise WeightError("the plan's streamed weights and the runtime's slots disagree (a runtime bug: "
                               "weight_path.streamed_keys and StreamedWeights split residency differently)")
@@ -351,7 +360,7 @@ class StreamedWeights:
         views: dict[str, dict[str, torch.Tensor]] = {}
         pairs, off = [], 0
         srcs = [self.store.stored(k) for k in keys]
-        need = sum(_placed(t) for parts in srcs for t in parts.values())
+        need = placed_bytes(t.numel() * t.element_size() for parts in srcs for t in parts.values())
         if need > slot.nbytes:
             raise ArenaError(f"device arena: {what} ({need} B as placed) does not fit a {slot.nbytes} B slot; "
                              f"the plan sized its slots for other weights (recompile the plan)")
@@ -417,7 +426,7 @@ class StreamedWeights:
         keys = self.units[index]
         assert keys is not None
         m = self.schedule[index]
-        self._pending[index] = self._submit_unit(self.dense, index, keys, f"module {m['module']}", m.get("layer"))
+        self._pending[index] = self._submit_unit(self.dense, index, keys, f"module {m.module}", m.layer)
 
     def get(self, key: str) -> torch.Tensor:
         made = self._made.get(key)
@@ -441,18 +450,18 @@ class StreamedWeights:
         return w
 
     # -- experts: expert_slots slots, fetched ahead in the order compute uses them -------
-    def speculate(self, op: dict) -> None:
-        """Start fetching the first experts of `op` (as many as there are slots, in index
-        order: the order they run) before its router has chosen them (the worker calls this
-        during the layer's attention when `speculates(...)` holds). `experts(op, ...)` takes
+    def speculate(self, name: str) -> None:
+        """Start fetching the first experts of experts op `name` (as many as there are slots, in
+        index order: the order they run) before its router has chosen them (the worker calls this
+        during the layer's attention when `speculates(...)` holds). `experts(name, ...)` takes
         them over; one no row chose has only cost its copy."""
-        if op["name"] in self.resident_experts or op["name"] in self._spec:
+        if name in self.resident_experts or name in self._spec:
             return
         self._drop_speculated()
-        pool, layer = self.expert_pool, self._op_layer.get(op["name"])
-        n = min(len(pool.slots), int(op["attrs"]["num_experts"]))
-        self._spec[op["name"]] = [
-            self._submit_unit(pool, (op["name"], e), expert_keys(op, e), f"expert {e} of {op['name']} (ahead of routing)",
+        op, pool, layer = self._ops[name], self.expert_pool, self._op_layer.get(name)
+        n = min(len(pool.slots), int(op.attrs["num_experts"]))
+        self._spec[name] = [
+            self._submit_unit(pool, (name, e), expert_keys(op, e), f"expert {e} of {name} (ahead of routing)",
                               layer) + (e,) for e in range(n)]
 
     def _drop_speculated(self, keep: str | None = None) -> None:
@@ -468,14 +477,17 @@ class StreamedWeights:
             slot.unit = None
         self.expert_pool.release(slot)
 
-    def experts(self, op: dict, used: list[int]) -> Iterator[ExpertWeights]:
-        if op["name"] in self.resident_experts:
+    def experts(self, name: str, used: list[int]) -> Iterator[ExpertWeights]:
+        """The weights of experts `used` of experts op `name`, in that order: resident ones from
+        the arena, the rest through the expert slots (those fetched ahead taken over)."""
+        op = self._ops[name]
+        if name in self.resident_experts:
             for e in used:
                 yield tuple(self._expert(k, self.views[k]) for k in expert_keys(op, e))  # type: ignore[misc]
             return
         pool = self.expert_pool
-        self._drop_speculated(keep=op["name"])
-        ahead = {job[-1]: job for job in self._spec.pop(op["name"], [])}  # fetched before routing
+        self._drop_speculated(keep=name)
+        ahead = {job[-1]: job for job in self._spec.pop(name, [])}  # fetched before routing
         inflight: deque[tuple[_Slot, Ticket, dict[str, torch.Tensor], int]] = deque()
         todo = deque(used)
         while todo and todo[0] in ahead:  # they run first, in `used` order
@@ -485,8 +497,8 @@ class StreamedWeights:
 
         def submit() -> None:  # on the urgent lane: compute waits for these next
             e = todo.popleft()
-            slot, t, views = self._submit_unit(pool, (op["name"], e), expert_keys(op, e), f"expert {e} of {op['name']}",
-                                               self._op_layer.get(op["name"]), lane="urgent")
+            slot, t, views = self._submit_unit(pool, (name, e), expert_keys(op, e), f"expert {e} of {name}",
+                                               self._op_layer.get(name), lane="urgent")
             inflight.append((slot, t, views, e))
 
         try:
@@ -508,11 +520,14 @@ class StreamedWeights:
                 pool.release(slot)
 
     def _expert(self, key: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """An expert weight from its stored tensors (dequantized per use: never kept)."""
+        """An expert weight from its stored tensors (dequantized per use: never kept; on the host
+        into a reused buffer of formats.scratch, valid until the next expert's are asked for)."""
         entry = self.store.manifest[key]
         if formats.is_dense(entry):
             return parts["data"]
-        return formats.materialize(entry, parts, self.store.compute_dtype or torch.float32, key)
+        dtype = self.store.compute_dtype or torch.float32
+        out = formats.scratch.ring(self).out(entry, dtype, parts["data"].device)
+        return formats.materialize(entry, parts, dtype, key, out=out)
 
     def close(self) -> None:
         self.engine.drain()

@@ -26,13 +26,7 @@ from typing import Any
 import torch
 
 from moecc_runtime import formats
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-}
+from moecc_runtime.contract.dtypes import TORCH_DTYPES  # noqa: F401 (the contract's table, named here for its readers)
 
 
 class WeightError(Exception):

@@ -10,8 +10,8 @@ when it finishes, so a sequence wastes at most one partly filled block.
 
 Sharing, by reference counts:
   * prefixes: a full block whose positions are all computed is registered under its content,
-    the key (the key of the block before it, its bs tokens); keys compare by value, so two
-    blocks match only when their whole prefixes are equal. A new sequence takes the longest
+    the key of contract/prefix.py (the uid of the block before it, its bs tokens); keys
+    compare by value, so two blocks match only when their whole prefixes are equal. A new sequence takes the longest
     chain of registered blocks that covers its tokens before the last one (`match`): those
     positions are not computed again, and the last token always is (it yields the logits).
   * forks (n completions of one prompt): a child takes its parent's table, every block
@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-#: a registered block's content: (the uid of the block before it, or -1; its tokens)
-BlockKey = tuple[int, tuple[int, ...]]
+from moecc_runtime.contract.blocks import blocks_for
+from moecc_runtime.contract.prefix import ROOT, BlockKey, block_key, walk
 
 
 class Prefix(NamedTuple):
@@ -88,7 +88,8 @@ class BlockAllocator:
         self.reused_tokens = 0  # positions `match` found computed (not computed again), since creation
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        """Blocks that hold `tokens` positions (contract/blocks.py)."""
+        return blocks_for(tokens, self.block_size)
 
     @property
     def free_blocks(self) -> int:
@@ -179,7 +180,7 @@ class BlockAllocator:
         table, chain, bs = self.tables[sid], self._chains.setdefault(sid, []), self.block_size
         while len(chain) < min(computed // bs, len(table)):
             i = len(chain)
-            key = (chain[-1] if chain else -1, tuple(tokens[i * bs:(i + 1) * bs]))
+            key = block_key(chain[-1] if chain else ROOT, tokens, i, bs)
             b = self._by_key.get(key)
             if b is None:
                 b = table[i]
@@ -201,17 +202,43 @@ class BlockAllocator:
                              f"({len(table)} blocks of {bs})")
         return ([table[p // bs] for p in range(start, start + n)], [p % bs for p in range(start, start + n)])
 
+    # -- checks ------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert every bookkeeping invariant (for tests and debugging; O(NB + table sizes)).
+        guarantees: returns only when reference counts equal the tables' listings, every block
+        is exactly one of free, cached or held, cached blocks are registered and free ones are
+        not, the key maps are each other's inverse, and each sequence's table and chain fit its
+        length. Raises AssertionError naming the broken invariant otherwise."""
+        count = [0] * self.num_blocks
+        for table in self.tables.values():
+            for b in table:
+                count[b] += 1
+        bad = [b for b in range(self.num_blocks) if count[b] != self._refs[b]]
+        assert not bad, f"BlockAllocator: reference counts differ from the tables at blocks {bad[:8]}"
+        free, cached, held = set(self._free), set(self._cached), {b for b, c in enumerate(count) if c}
+        assert len(free) == len(self._free), f"BlockAllocator: the free list holds a block twice: {self._free}"
+        overlap = (free & cached) | (free & held) | (cached & held)
+        assert not overlap, f"BlockAllocator: blocks {sorted(overlap)[:8]} are in two of free, cached, held"
+        assert free | cached | held == set(range(self.num_blocks)), (
+            f"BlockAllocator: blocks {sorted(set(range(self.num_blocks)) - free - cached - held)[:8]} are lost")
+        assert cached <= self._key.keys(), f"BlockAllocator: cached blocks {sorted(cached - self._key.keys())[:8]} are unregistered"
+        assert not free & self._key.keys(), f"BlockAllocator: free blocks {sorted(free & self._key.keys())[:8]} are registered"
+        assert {b: k for k, b in self._by_key.items()} == self._key, "BlockAllocator: the key maps are not each other's inverse"
+        assert self._uid.keys() == self._key.keys() and len(set(self._uid.values())) == len(self._uid), (
+            "BlockAllocator: uids are not one per registered block")
+        assert self.tables.keys() == self.lengths.keys(), "BlockAllocator: sequences with a table and without a length"
+        for sid, table in self.tables.items():
+            assert len(table) == self.blocks_for(self.lengths[sid]), (
+                f"BlockAllocator: sequence {sid} holds {len(table)} blocks for {self.lengths[sid]} positions")
+            assert len(self._chains.get(sid, [])) <= len(table), f"BlockAllocator: sequence {sid}'s chain outruns its table"
+        assert self._chains.keys() <= self.tables.keys(), "BlockAllocator: a chain of a sequence holding no table"
+
     # -- internals ---------------------------------------------------------------------------
     def _walk(self, tokens: Sequence[int], chain: list[int]) -> list[int]:
-        """The registered blocks of `tokens`' leading full blocks before its last token,
-        their uids appended to `chain`."""
-        bs, found = self.block_size, []
-        for i in range((len(tokens) - 1) // bs):
-            b = self._by_key.get((chain[-1] if chain else -1, tuple(tokens[i * bs:(i + 1) * bs])))
-            if b is None:
-                break
-            found.append(b)
-            chain.append(self._uid[b])
+        """The registered blocks of `tokens`' leading full blocks before its last token (the
+        contract's walk: contract/prefix.py), their uids appended to `chain`."""
+        found = walk(tokens, self.block_size, self._by_key.get, self._uid.__getitem__)
+        chain.extend(self._uid[b] for b in found)
         return found
 
     def _shared_from(self, sid: int, start: int | None) -> list[int]:

@@ -14,15 +14,9 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from moecc_runtime.contract.activations import ACTIVATIONS  # noqa: F401  (kernels.ACTIVATIONS)
 from moecc_runtime.syncs import to_list
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -161,6 +161,7 @@ def mixtral_a5000() -> dict:
                          prompt_tokens=512, output_tokens=256, max_batch=4096)[0]
 
 
+@pytest.mark.slow
 def test_mixtral_on_the_a5000_attends_on_the_host_in_moe_gens_order(mixtral_a5000):
     plan = mixtral_a5000
     att = plan["predicted"]["attention"]["decode"]
@@ -176,6 +177,7 @@ def test_mixtral_on_the_a5000_attends_on_the_host_in_moe_gens_order(mixtral_a500
     assert plan["batch"]["prefill"]["attention"]["host_fraction"] <= 0.25
 
 
+@pytest.mark.slow
 def test_explain_says_where_attention_runs_and_why(mixtral_a5000):
     text = format_explain(explain(mixtral_a5000))
     decode = next(line for line in text.splitlines() if line.startswith("  attention (decode): "))
@@ -185,6 +187,7 @@ def test_explain_says_where_attention_runs_and_why(mixtral_a5000):
     assert "on the host" in prefill and "bound by the CPU's FLOPs" in prefill
 
 
+@pytest.mark.slow
 def test_the_timeline_draws_a_host_lane_for_host_attention(mixtral_a5000):
     from moecc.views.timeline_svg import draw_timeline
 

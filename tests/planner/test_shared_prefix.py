@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from moecc.planner.cost_model import Choice, CostModel, Workload, shared_prefix_of, workload_of
 from moecc.planner.hardware import resolve_hardware
 from moecc.planner.shared_prefix import PrefixCounter, shared_prefix
-from moecc_runtime.plan_schema import KV_BLOCK_SIZE
+from moecc_runtime.contract.blocks import KV_BLOCK_SIZE
 
 from tests.planner.test_solve import cost
 
@@ -24,18 +24,36 @@ from tests.planner.test_solve import cost
 
 def _reference(prompts: list[list[int]], bs: int) -> int:
     """Brute force: a prompt reuses its first k full blocks (k <= (L - 1) // bs) when an
-    earlier prompt offered as many blocks and began with the same k * bs tokens."""
+    earlier prompt offered as many full blocks (k <= its L // bs) and began with the same k * bs tokens."""
     total = 0
     for i, p in enumerate(prompts):
         best = 0
         for k in range(1, (len(p) - 1) // bs + 1 if p else 1):
-            if any((len(q) - 1) // bs >= k and q[:k * bs] == p[:k * bs] for q in prompts[:i]):
+            if any(len(q) // bs >= k and q[:k * bs] == p[:k * bs] for q in prompts[:i]):
                 best = k
         total += best * bs
     return total
 
 
 prompt_lists = st.lists(st.lists(st.integers(0, 2), max_size=14), max_size=8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompt_lists, st.integers(1, 5))
+def test_the_planner_counts_what_the_runtime_allocator_reuses(prompts, bs):
+    """One walk (moecc_runtime/contract/prefix.py) on both sides: with a pool that never evicts,
+    prompts run one after another reuse in the runtime's allocator exactly the tokens the
+    planner's counter says (both register every full block of a prompt, its last one too)."""
+    from moecc_runtime.scheduler.blocks import BlockAllocator
+
+    alloc = BlockAllocator(num_blocks=1 + sum(len(p) // bs + 1 for p in prompts), block_size=bs)
+    counter = PrefixCounter(bs)
+    for sid, ids in enumerate(prompts):
+        reused, counted = alloc.match(sid, alloc.probe(ids)), counter.add(ids)
+        assert reused == counted
+        alloc.reserve(sid, len(ids))
+        alloc.register(sid, ids, len(ids))
+        alloc.release(sid)
 
 
 @settings(max_examples=150, deadline=None)
@@ -137,10 +155,13 @@ def test_the_problem_refuses_a_share_outside_0_1():
         S.Problem(cost(), resolve_hardware("a5000"), 100.0, 20.0, shared_prefix=1.0)
 
 
-def test_a_plan_without_the_record_shares_nothing():
-    plan = {"batch": {"workload": {"prompt_tokens": 10.0, "output_tokens": 4.0, "seq_len": 14}}}
+def test_the_workload_record_is_the_one_place_the_share_is_read():
+    """Schema v5: batch.workload.shared_prefix (None: no sharing); predicted holds no copy."""
+    plan = {"batch": {"workload": {"prompt_tokens": 10.0, "output_tokens": 4.0, "seq_len": 14, "shared_prefix": None}}}
     assert shared_prefix_of(plan) == 0.0 and workload_of(plan) == Workload(10.0, 4.0)
-    plan["predicted"] = {"shared_prefix": {"share": 0.25}}
+    plan["predicted"] = {"shared_prefix": {"share": 0.25}}  # a v4 plan's place: not read
+    assert workload_of(plan) == Workload(10.0, 4.0)
+    plan["batch"]["workload"]["shared_prefix"] = {"share": 0.25}
     assert workload_of(plan) == Workload(10.0, 4.0, 0.25)
 
 
@@ -173,7 +194,7 @@ def test_compile_with_prompts_puts_the_share_in_the_plan_and_explain_shows_it(ch
     plan = load_plan(out)  # validates against the runtime's schema
     wl = plan["batch"]["workload"]
     assert (wl["prompt_tokens"], wl["output_tokens"]) == (72, 12)
-    sp = plan["predicted"]["shared_prefix"]
+    sp = wl["shared_prefix"]
     assert sp["share"] == pytest.approx(0.8) and sp["block_size"] == plan["batch"]["kv"]["block_size"]
     assert sp["shared_tokens"] == pytest.approx(57.6) and sp["prefill_work"] == pytest.approx(0.2)
     assert workload_of(plan).shared_prefix == pytest.approx(0.8)

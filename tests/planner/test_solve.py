@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,6 +55,7 @@ def rates_for(name: str):
 @given(gpu=st.integers(150_000, 3_000_000), B=st.sampled_from([1, 4, 16, 64]),
        prompt=st.integers(4, 64), output=st.integers(1, 64),
        hw=st.sampled_from(["a5000", "a5000+calibration", "cpu+calibration"]))
+@pytest.mark.slow
 def test_cp_sat_optimum_equals_enumeration(gpu, B, prompt, output, hw):
     pr = problem(gpu_mem=gpu, prompt_tokens=float(prompt), output_tokens=float(output), rates=rates_for(hw))
     got = S.solve_for_batch(pr, B)
@@ -69,6 +71,7 @@ def test_cp_sat_optimum_equals_enumeration(gpu, B, prompt, output, hw):
 
 @settings(max_examples=10, deadline=None)
 @given(gpu=st.integers(200_000, 3_000_000), B=st.sampled_from([2, 16, 64]))
+@pytest.mark.slow
 def test_pruning_dominated_options_keeps_the_optimum(gpu, B):
     pr = problem(gpu_mem=gpu)
     a = S.enumerate_best(pr, B)
