@@ -656,6 +656,7 @@ def perf_run(c: Ctx, plan: dict[str, Any], ckpt: Path, att: str | None, reqs: li
     from moecc_runtime import native
     from moecc_runtime.engine import Engine, generate
     from moecc_runtime.syncs import HostReads
+    from moecc_runtime.worker.attention_backends import Where
 
     cuda = c.cuda()
     row: dict[str, Any] = {}
@@ -693,7 +694,7 @@ def perf_run(c: Ctx, plan: dict[str, Any], ckpt: Path, att: str | None, reqs: li
         row.update(_engine_figures(eng, st, hr.counts, peak[0]))
         row["h2d_gb_per_s_over_run"] = st.copy_bytes / secs / GB if secs else None  # bytes / generate's wall time
         row["native_kernel_calls"] = kernel.calls
-        row["host_attention_native"] = bool(eng.worker.host_attention.native)
+        row["host_attention_native"] = bool(eng.worker.backends[Where.HOST].native)
         row["sync_census"] = sync_census(c, eng, reqs, end)
     finally:
         native.paged_attention = kernel.inner

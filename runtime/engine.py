@@ -6,7 +6,7 @@ Each step of `generate`:
      not fit) and emits a step plan (scheduler/);
   2. the worker runs the plan's rows module by module (worker/);
   3. the sampler picks the next token of every sequence whose known tokens are all cached
-     (sampling.py); a sequence retires at EOS, a stop string (`stop_check`) or its own
+     (sampling/; the logprobs of the rows that asked: sampling/logprobs.py); a sequence retires at EOS, a stop string (`stop_check`) or its own
      max_tokens, its KV blocks are freed and its result goes to `on_finish` at once.
 `control()` is asked before every step: "run", "drain" (admit nothing new, finish what is
 in flight) or "stop" (return now; in-flight requests are dropped unfinished).
@@ -19,13 +19,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from moecc_runtime.memory.kv import KVGeometry
+from moecc_runtime.contract.plan_types import PlanView
+from moecc_runtime.memory.kv import pool_geometry
 from moecc_runtime.sampling import NOT_FINITE, Masks, SamplingError, request_generator, sample
+from moecc_runtime.sampling.logprobs import LogprobEntry, prompt_logprobs, step_logprobs
 from moecc_runtime.scheduler.blocks import BlockAllocator
 from moecc_runtime.scheduler.scheduler import DEFAULT_PREFILL_TOKENS, Scheduler
-from moecc_runtime.scheduler.sequence import GenRequest, GenResult, LogprobEntry, Sequence
+from moecc_runtime.scheduler.sequence import GenRequest, GenResult, Sequence
 from moecc_runtime.scheduler.step_plan import StepPlan
-from moecc_runtime.syncs import to_device, to_list
 from moecc_runtime.worker.stats import EngineStats
 from moecc_runtime.worker.worker import Worker
 
@@ -45,11 +46,12 @@ class Engine:
         see Worker); `share_prefixes`: KV blocks of prompt prefixes computed once are shared
         (scheduler/blocks.py). On CUDA the plan must have a device arena (compiled with --gpu-mem):
         PlanError otherwise."""
-        geo = KVGeometry.from_plan(plan, kv_blocks, block_size)
+        self.view = PlanView.of(plan)  # the plan typed, once: what the worker, streaming and KV code read
+        geo = pool_geometry(self.view, kv_blocks, block_size)
         self.blocks = BlockAllocator(geo.num_blocks, geo.block_size, share_prefixes)
         self.worker = Worker(plan, model_dir, device, expert_chunk=expert_chunk, attn_micro_batch=attn_micro_batch,
                              kv=geo, record_steps=record_steps, plan_path=plan_path, attention=attention,
-                             keep_on_device=keep_on_device)
+                             keep_on_device=keep_on_device, view=self.view)
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -90,9 +92,8 @@ def generate(
     `on_step(tokens generated, sequences in flight)` is called after every step.
     Returns "done", or "drained" / "stopped" when `control` ended the run early."""
     eos = set(engine.info["eos_token_ids"])
-    limit = int(max_batch or engine.plan["batch"]["decode"]["B"])
-    budget = int(max_prefill_tokens or engine.plan["batch"]["prefill"].get("tokens_per_step")
-                 or DEFAULT_PREFILL_TOKENS)
+    limit = int(max_batch or engine.view.decode.B)
+    budget = int(max_prefill_tokens or engine.view.prefill.tokens_per_step or DEFAULT_PREFILL_TOKENS)
     sched = Scheduler(engine.blocks, requests, limit, budget)
     out = _Choices(on_finish, on_error)
     while sched.has_work:
@@ -124,7 +125,6 @@ def generate(
             reason = _finish_reason(s, tok, eos, stop_check)
             if reason is not None:
                 sched.retire(s)
-                req = _request(s)
                 out.finish(s, _result(s, reason))
         if on_step is not None:
             on_step(len(finishing), len(sched.running))
@@ -166,9 +166,8 @@ def _record_prompt_logprobs(score: list[tuple[int, Sequence, int]], logits: torc
     """For each (head row, sequence, position): the logprob of the sequence's token at that
     position under the row's fp32 log-softmax, and its request's top N; appended when it is
     the next position the sequence lacks."""
-    lps = torch.log_softmax(logits[[i for i, _, _ in score]].float(), dim=-1)  # [P, V]
-    _, got = read_back(None, lps, [s.tokens[p] for _, s, p in score],
-                       [_request(s).prompt_logprobs or 0 for _, s, _ in score])
+    got = prompt_logprobs(logits, [i for i, _, _ in score], [s.tokens[p] for _, s, p in score],
+                          [_request(s).prompt_logprobs or 0 for _, s, _ in score])  # logits [P, V] scored
     for (_, s, p), e in zip(score, got):
         if p == len(s.prompt_logprobs):
             s.prompt_logprobs.append(e)
@@ -213,9 +212,7 @@ def _sample(finishing: list[Sequence], logits: torch.Tensor, eos: set[int],
     masks = _grammar_masks(finishing, grammar, logits.shape[-1])
     tokens = sample(logits, reqs, [s.generator for s in finishing], [s.tokens for s in finishing],
                     [s.prompt_len for s in finishing], eos, masks)  # [S'] on the device, -1: not finite
-    lps = _log_softmax(logits, asked)
-    ids = tokens[to_device(asked, tokens.device, torch.long)].clamp_min(0) if asked else None
-    got, entries = read_back(tokens, lps, ids, [reqs[i].logprobs or 0 for i in asked])
+    got, entries = step_logprobs(tokens, logits, asked, [reqs[i].logprobs or 0 for i in asked])
     chosen: list[Any] = [t if t >= 0 else SamplingError(NOT_FINITE) for t in got]
     return chosen, {asked[j]: e for j, e in enumerate(entries) if isinstance(chosen[asked[j]], int)}
 
@@ -271,39 +268,6 @@ class _Choices:
         if self.on_error is None:
             raise error
         self.on_error(req, message)
-
-
-def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
-    """The fp32 log-softmax of the step's raw logits for `rows` (those whose request asked
-    for logprobs), or None when none did."""
-    if not rows:
-        return None
-    return torch.log_softmax(logits[rows].float(), dim=-1)
-
-
-def read_back(tokens: torch.Tensor | None, lps: torch.Tensor | None, ids: torch.Tensor | list[int] | None,
-              tops: list[int]) -> tuple[list[int], list[LogprobEntry]]:
-    """One host read for a step: the tokens [S] (when given) and, for each row of lps [R, V]
-    (log-softmax rows), (the logprob of its token ids[r], its tops[r] most likely [(id,
-    logprob)], best first): one gather, one top-k and one copy of them all."""
-    parts: list[torch.Tensor] = [] if tokens is None else [tokens.double()]
-    R = 0 if lps is None else lps.shape[0]
-    k = 0
-    if lps is not None and R:
-        idx = ids if isinstance(ids, torch.Tensor) else to_device(list(ids or []), lps.device, torch.long)
-        k = min(max(tops), lps.shape[-1])
-        parts.append(lps.gather(1, idx[:, None])[:, 0].double())  # [R]
-        if k > 0:
-            top_v, top_i = lps.topk(k, dim=-1)  # [R, k]
-            parts += [top_v.flatten().double(), top_i.flatten().double()]
-    if not parts:
-        return [], []
-    flat = to_list(torch.cat(parts), "sample")
-    S = 0 if tokens is None else tokens.shape[0]
-    got = [int(t) for t in flat[:S]]
-    picked = flat[S:S + R]
-    vals, ids_ = flat[S + R:S + R + R * k], flat[S + R + R * k:]
-    return got, [(picked[r], [(int(ids_[r * k + j]), vals[r * k + j]) for j in range(t)]) for r, t in enumerate(tops)]
 
 
 def _request(s: Sequence) -> GenRequest:

@@ -20,6 +20,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
@@ -37,6 +46,9 @@ from moecc_runtime.plan import save_plan
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "gpt_oss")
 PROMPTS = ["The cat sat on", "def main():", "Once upon a time, far away"]
 WORKLOAD = dict(prompt_tokens=16, output_tokens=8, max_batch=4)
+
+
+pytestmark = pytest.mark.slow  # the whole file
 
 
 @st.composite
@@ -128,7 +140,7 @@ def step_temporaries() -> Iterator[list[tuple[str, int]]]:
     from moecc_runtime.worker import worker as W
 
     steps: list[tuple[str, int]] = []
-    original, on_host = W.Worker.execute, HA.HostAttention.__call__
+    original, on_host = W.Worker.execute, HA.HostAttention.forward
 
     def host_attention(self, *args, **kwargs):
         with _disable_current_modes():  # its temporaries are the host's
@@ -142,11 +154,11 @@ def step_temporaries() -> Iterator[list[tuple[str, int]]]:
         steps.append((sp.phase, mode.peak(host)))
         return out
 
-    W.Worker.execute, HA.HostAttention.__call__ = execute, host_attention
+    W.Worker.execute, HA.HostAttention.forward = execute, host_attention
     try:
         yield steps
     finally:
-        W.Worker.execute, HA.HostAttention.__call__ = original, on_host
+        W.Worker.execute, HA.HostAttention.forward = original, on_host
 
 
 def check_device_accounting(plan: dict, stats: dict, steps: list[tuple[str, int]], gpu_mem: int) -> None:

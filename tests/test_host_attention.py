@@ -265,7 +265,8 @@ def _reference(model, ids: list[int]):
 
 
 class _Counting:
-    """A backend (or function) that counts its calls; anything else goes to the wrapped one."""
+    """A backend (its `forward`) or a function that counts its calls; anything else goes to
+    the wrapped one."""
 
     def __init__(self, inner):
         self.inner, self.calls = inner, 0
@@ -273,6 +274,10 @@ class _Counting:
     def __call__(self, *args, **kwargs):
         self.calls += 1
         return self.inner(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.forward(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -282,18 +287,19 @@ def _run(plan, path, requests, *, attention=None, fallback=False, expect=None, *
     """{key: GenResult}; `fallback`: HostAttention without the native kernel. `expect`: which
     paths must have run ("host", "device", "kernel"), the others must not have."""
     from moecc_runtime.engine import Engine, generate
+    from moecc_runtime.worker.attention_backends import Where
 
     engine = Engine(plan, path, "cpu", expert_chunk=kw.pop("expert_chunk", 7), attn_micro_batch=kw.pop("b_a", 3),
                     attention=attention)
     results = {}
     w = engine.worker
     if fallback:
-        w.host_attention.native = False
+        w.backends[Where.HOST].native = False
     else:
-        assert w.host_attention.native == native.supports(w.kv.k.dtype)
-    counts = {"host": _Counting(w.host_attention), "device": _Counting(w.attention),
+        assert w.backends[Where.HOST].native == native.supports(w.kv.k.dtype)
+    counts = {"host": _Counting(w.backends[Where.HOST]), "device": _Counting(w.backends[Where.DEVICE]),
               "kernel": _Counting(native.paged_attention)}
-    w.host_attention, w.attention = counts["host"], counts["device"]
+    w.backends[Where.HOST], w.backends[Where.DEVICE] = counts["host"], counts["device"]
     native.paged_attention = counts["kernel"]  # host_attention.py calls it as native.paged_attention
     try:
         generate(engine, requests, lambda r: results.__setitem__(r.key, r), record_logits=True, **kw)
@@ -327,7 +333,8 @@ def _tokens(results) -> dict[str, list[int]]:
     return {k: r.token_ids for k, r in results.items()}
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt_oss", "mixtral_sw"])
+@pytest.mark.parametrize("name", ["mixtral", *(pytest.param(n, marks=pytest.mark.slow)
+                                               for n in ("deepseek_v3", "gpt_oss", "mixtral_sw"))])
 def test_host_attention_matches_device_and_transformers(name, models):
     """Greedy tokens of attention="host" == attention="device" == transformers; host logits
     within 1e-4 of transformers'; the fallback without the native kernel and host attention
@@ -397,6 +404,7 @@ def budgeted(models):
     return auto, buffered, path, tok
 
 
+@pytest.mark.slow
 def test_budgeted_plan_host_device_and_split_agree(budgeted, models):
     """A budgeted plan with device KV buffers: attention on the host, on the device, and a 50%
     split of each step's sequences (both phases; with and without the native kernel), the
@@ -422,6 +430,7 @@ def test_budgeted_plan_host_device_and_split_agree(budgeted, models):
         assert _tokens(got) == expected, f"budgeted plan, attention {how}"
 
 
+@pytest.mark.slow
 def test_plan_without_kv_buffers_refuses_device_attention(budgeted):
     """A plan with host attention and arena.kv_buffer_tokens 0 cannot run attention on the
     device (Engine(attention="device") and a split written into the plan both raise, naming
@@ -445,6 +454,7 @@ def test_plan_without_kv_buffers_refuses_device_attention(budgeted):
 
 # -- 5. bf16 ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bf16_host_attention_close_to_device(tmp_path):
     """bf16 Mixtral: host attention (fp32 accumulation over bf16 K/V, rounded once) runs to
     completion, and its prompt's and first decode step's logits differ from device

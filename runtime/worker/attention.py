@@ -1,19 +1,20 @@
-"""The attention backend: attention of one micro-batch over the paged KV cache.
+"""The device attention backend ("device" in worker/attention_backends.py's registry):
+attention of one micro-batch over the paged KV cache, where the compute is.
 
 Legend: t = rows of the micro-batch, S = sequences of one decode group, nb = KV blocks
 gathered for the micro-batch, bs = block size, c = context positions of one sequence, Hq /
 Hkv = query / key-value heads, G = Hq / Hkv, D / Dv = key / value head dim.
 
-Today's one backend, `GatheredAttention`, runs where the compute is: the micro-batch's
-blocks are gathered into one buffer on the compute device (by memory/streaming.py's
-KVStaging, before the micro-batch runs), its new K/V are written to the host pool (on CUDA
-asynchronously: KVPool.store) and into that buffer, and attention runs there: decoding
-sequences grouped by how many blocks they span (one batched call per group, masking only
-the unused tail of each sequence's last block, never padding to the longest), prefill
-chunks one sequence at a time with a causal mask. Which blocks a micro-batch reads, per sliding window, is its `KVView`.
-A view is built once per micro-batch, window and device, so every layer of the step shares its
-index tensors: they are made on the host and sent to the device once (syncs.to_device: no
-stall), never copied per layer.
+`GatheredAttention`: the micro-batch's blocks are gathered into one buffer on the compute
+device (by memory/streaming.py's KVStaging, before the micro-batch runs), its new K/V are
+written to the host pool (on CUDA asynchronously: KVPool.store) and into that buffer, and
+attention runs there: decoding sequences grouped by how many blocks they span (one batched
+call per group, masking only the unused tail of each sequence's last block, never padding
+to the longest), prefill chunks one sequence at a time with a causal mask. Which blocks a
+micro-batch reads, per sliding window, is its `KVView`. A view is built once per
+micro-batch, window and device (`prepare`, cached in `MicroBatch.views`), so every layer of
+the step shares its index tensors: they are made on the host and sent to the device once
+(syncs.to_device: no stall), never copied per layer.
 """
 
 from __future__ import annotations
@@ -65,11 +66,7 @@ def blocks_needed(ctx: int, bs: int) -> int:
 def kv_view(mb: MicroBatch, window: int | None, bs: int, device: torch.device = torch.device("cpu")) -> KVView:
     """Which blocks attention of `mb` reads, per sliding-window size (None = full), with its
     index tensors on `device`; built once per micro-batch, window and device."""
-    key = (window, device.type)
-    view = mb.views.get(key)
-    if view is None:
-        view = mb.views[key] = _build_view(mb, window, bs, device)
-    return view
+    return mb.views.get(KVView, window, device.type, lambda: _build_view(mb, window, bs, device))
 
 
 def _build_view(mb: MicroBatch, window: int | None, bs: int, device: torch.device) -> KVView:
@@ -133,24 +130,31 @@ def project_qkv(op: dict, x: torch.Tensor, w: dict[str, torch.Tensor], rope: tor
 
 
 class GatheredAttention:
-    """Attention on the compute device over the micro-batch's KV gathered there."""
+    """Attention on the compute device over the micro-batch's KV gathered there (an
+    attention_backends.AttentionBackend that gathers)."""
+
+    gathers = True  # the worker's KV staging brings the micro-batch's blocks to the device first
 
     def __init__(self, pool: KVPool, device: torch.device = torch.device("cpu")):
         """`device`: the compute device (where the views' index tensors go)."""
         self.pool = pool
         self.device = torch.device(device)
 
-    def blocks(self, mb: MicroBatch, window: int | None) -> torch.Tensor:
-        """[nb] the pool blocks attention of `mb` reads (what KV staging gathers for it)."""
+    def prepare(self, mb: MicroBatch, window: int | None) -> torch.Tensor:
+        """Build `mb`'s view for `window` (index tensors sent to the device once per step);
+        [nb] the pool blocks attention of `mb` reads (what KV staging gathers for it)."""
         return kv_view(mb, window, self.pool.block_size, self.device).blocks
 
-    def __call__(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch,
-                 kv: tuple[torch.Tensor, torch.Tensor], w: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch, w: dict[str, torch.Tensor],
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [t, H] -> [t, H]. kv: this layer's gathered blocks, [Hkv, nb, bs, D] and
         [Hkv, nb, bs, Dv]; `w` the op's weights. Multi-head attention, or latent attention
         (MLA: one cached "head" holding the latent and the rope key, values read from the
         latent part)."""
         a = op["attrs"]
+        if kv is None:
+            raise RuntimeError(f"runtime: device attention of node {op['name']} got micro-batch {mb.index} without "
+                               f"its gathered KV; the worker stages it (KVStaging) for every backend that gathers")
         q, k, v, finish = project_qkv(op, x, w, rope)
         # kv_store: on CUDA asynchronous (device->host stream, pinned), in the pool by the step's end
         self.pool.store(a["layer_index"], mb.write_blocks, mb.write_offsets, k, v)

@@ -7,17 +7,42 @@ step, t = rows of one micro-batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from moecc_runtime.scheduler.step_plan import SeqChunk, StepPlan
 
+if TYPE_CHECKING:  # the registry imports this module
+    from moecc_runtime.worker.attention_backends import Where
+
+V = TypeVar("V")
+
+
+class ViewCache:
+    """A micro-batch's attention views (index tensors), built once per step and shared by
+    every layer: one per view type, sliding window and device kind."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[type, int | None, str], object] = {}
+
+    def get(self, kind: type[V], window: int | None, device: str, build: Callable[[], V]) -> V:
+        """The `kind` view for `window` (None: full) on `device` ("cpu", "cuda"), built by
+        `build` the first time it is asked for."""
+        key = (kind, window, device)
+        view = self._views.get(key)
+        if isinstance(view, kind):
+            return view
+        made = build()
+        self._views[key] = made
+        return made
+
 
 @dataclass
 class MicroBatch:
-    """Consecutive sequences of a step whose attention runs together."""
+    """Consecutive sequences of a step whose attention runs together, on one backend."""
 
     r0: int  # rows r0..r1-1 of the step
     r1: int
@@ -25,11 +50,9 @@ class MicroBatch:
     tables: list[list[int]]
     write_blocks: torch.Tensor  # [t] where each row's K/V goes
     write_offsets: torch.Tensor  # [t]
+    where: Where  # its attention backend (worker/attention_backends.py)
     index: int = 0  # which micro-batch of the step
-    host: bool = False  # attention on the host over the pool in place (worker/host_attention.py)
-    #: the micro-batch's attention views, built once per step: (window, device kind) -> its KVView,
-    #: ("host", window) -> its host_attention.HostView
-    views: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    views: ViewCache = field(default_factory=ViewCache)
 
 
 @dataclass
@@ -68,20 +91,18 @@ class StepBatch:
                    spans, torch.tensor(blk, dtype=torch.long), torch.tensor(off, dtype=torch.long),
                    [c.sid for c in plan.seqs if c.finishes], rows, plan.prefill_tokens, block_size)
 
-    def micro_batches(self, b_a: int, cap_blocks: int | None = None, host_seqs: int = 0) -> list[MicroBatch]:
-        """Consecutive groups of at most b_a sequences: the first `host_seqs` sequences' groups
-        attend on the host (no KV buffer limit), the others' KV (full context) fits one device
-        KV buffer of `cap_blocks` blocks (None: no limit). Device groups come first in the list
-        (on a GPU they are launched before the host computes its own)."""
-        host_seqs = max(0, min(host_seqs, len(self.seqs)))
-        cuts = [(a, z, True) for a, z in self._cuts(b_a, None, 0, host_seqs)]
-        cuts = [(a, z, False) for a, z in self._cuts(b_a, cap_blocks, host_seqs, len(self.seqs))] + cuts
+    def micro_batches(self, b_a: int, parts: Sequence[tuple[Where, int, int, int | None]]) -> list[MicroBatch]:
+        """Each part (backend, first sequence, end sequence, KV block cap) cut into groups of at
+        most b_a consecutive sequences whose KV (full context) fits the cap (None: no limit),
+        parts in order; a micro-batch's index is its place in the list
+        (attention_backends.place says which parts a placement makes)."""
+        cuts = [(a, z, where) for where, first, end, cap in parts for a, z in self._cuts(b_a, cap, first, end)]
         mbs = []
-        for j, (a, z, host) in enumerate(cuts):
+        for j, (a, z, where) in enumerate(cuts):
             r0, r1 = self.spans[a][0], self.spans[z - 1][1]
             items = [(c.sid, self.spans[i][0] - r0, c.start, c.n) for i, c in enumerate(self.seqs[a:z], start=a)]
             mbs.append(MicroBatch(r0, r1, items, [c.block_table for c in self.seqs[a:z]], self.blocks[r0:r1],
-                                  self.offsets[r0:r1], j, host=host))
+                                  self.offsets[r0:r1], where, j))
         return mbs
 
     def _cuts(self, b_a: int, cap_blocks: int | None, first: int, end: int) -> list[tuple[int, int]]:

@@ -1,7 +1,7 @@
-"""The host attention backend: attention of one micro-batch on the host CPU, over the paged
-KV pool in place (no per-step gather of whole contexts). Only the micro-batch's queries and
-attention outputs cross between the compute device and the host; its new K/V are stored
-into the pool first.
+"""The host attention backend ("host" in worker/attention_backends.py's registry): attention
+of one micro-batch on the host CPU, over the paged KV pool in place (no per-step gather of
+whole contexts). Only the micro-batch's queries and attention outputs cross between the
+compute device and the host; its new K/V are stored into the pool first.
 
 Legend: t = rows of the micro-batch, Hq / Hkv = query / key-value heads, D / Dv = key /
 value head dim, c = context positions of one sequence, nb = blocks of one sequence.
@@ -47,11 +47,7 @@ class HostView:
 
 def host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
     """Built once per micro-batch and window (cached beside its KV views)."""
-    key = ("host", window)
-    view = mb.views.get(key)
-    if view is None:
-        view = mb.views[key] = _build_host_view(mb, window, bs)
-    return view
+    return mb.views.get(HostView, window, "cpu", lambda: _build_host_view(mb, window, bs))
 
 
 def _build_host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
@@ -75,7 +71,10 @@ def _build_host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
 
 class HostAttention:
     """Attention on the host over the KV pool in place; q/k/v projections and the output
-    projection run where the compute is (the device, or the host on a CPU-only machine)."""
+    projection run where the compute is (the device, or the host on a CPU-only machine).
+    An attention_backends.AttentionBackend that does not gather."""
+
+    gathers = False  # reads the pool in place: the worker stages no KV for its micro-batches
 
     def __init__(self, pool: KVPool, pin: bool = False):
         """`pin`: the compute device is a GPU (attention outputs go back from pinned memory)."""
@@ -85,9 +84,14 @@ class HostAttention:
         self._gather = KVStaging(pool, torch.device("cpu"))  # the fallback's gather (one growing host buffer)
         self._sinks: dict[str, torch.Tensor] = {}  # device attention sinks' host copies, by op (weights)
 
-    def __call__(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch,
-                 w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """x [t, H] -> [t, H]; the micro-batch's new K/V are in the pool afterwards."""
+    def prepare(self, mb: MicroBatch, window: int | None) -> None:
+        """Build `mb`'s host view for `window` (the native kernel's index tensors, on the host)."""
+        host_view(mb, window, self.pool.block_size)
+
+    def forward(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch, w: dict[str, torch.Tensor],
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [t, H] -> [t, H]; the micro-batch's new K/V are in the pool afterwards. `kv`:
+        unused (the pool is read in place)."""
         a = op["attrs"]
         q, k, v, finish = project_qkv(op, x, w, rope)
         layer = a["layer_index"]

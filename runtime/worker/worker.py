@@ -7,9 +7,10 @@ A step plan (scheduler/step_plan.py) gives, for each sequence in the step, a chu
 not-yet-cached tokens (a prompt chunk being prefilled, or the one token it decodes) with the
 KV slots they go to. The worker runs them all together as T rows, module by module in plan
 order:
-  * attention modules run in micro-batches of b_a sequences (worker/batch.py) through the
-    attention backend (worker/attention.py), the next micro-batch's KV gathered while one
-    computes (memory/streaming.py's KVStaging);
+  * attention modules run in micro-batches of b_a sequences (worker/batch.py), each through
+    the attention backend the placement gives it (worker/attention_backends.py), the next
+    micro-batch's KV gathered while one computes where its backend gathers
+    (memory/streaming.py's KVStaging);
   * expert modules run every expert over all rows routed to it, in chunks of b_e rows;
     dense MLPs over all rows in chunks of b_e;
   * values that cross modules are kept in host buffers [T, ...], or, where the next device
@@ -38,7 +39,9 @@ import torch.nn.functional as F
 from moecc_runtime.memory.arena import ArenaError, DeviceArena, Region, align
 from moecc_runtime.memory import device_budget, pinned
 from moecc_runtime.memory.copy_engine import CopyEngine, DeviceToHost
-from moecc_runtime.memory.kv import KVGeometry, KVPool
+from moecc_runtime.contract.kv_geometry import KVGeometry
+from moecc_runtime.contract.plan_types import ArenaLayout, PlanView
+from moecc_runtime.memory.kv import KVPool, pool_geometry
 from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
 from moecc_runtime.plan import PlanError, has_sidecar, sidecar_path
@@ -46,31 +49,11 @@ from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
 from moecc_runtime.syncs import to_device
 from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS, speculates
 from moecc_runtime.worker import kernels
-from moecc_runtime.worker.attention import GatheredAttention
+from moecc_runtime.worker.attention_backends import AttentionBackend, host_fractions, make_backends, place
 from moecc_runtime.worker.batch import MicroBatch, StepBatch
-from moecc_runtime.worker.host_attention import HostAttention
 from moecc_runtime.worker.stats import EngineStats, account, copy_counters
 from moecc_runtime.worker.timeline import StepTrace, pick_trace
 
-
-
-def host_fractions(plan: dict[str, Any], device: torch.device, force: str | None = None) -> dict[str, float]:
-    """Per phase, the share of a step's sequences whose attention runs on the host: the plan's
-    placement (plan_schema.AttentionPlacement), `force` ("host" / "device") when given; for a
-    plan without one, all of them on a CPU-only machine (the pool is already where the
-    compute is) and none on a GPU."""
-    if force not in (None, "host", "device"):
-        raise ValueError(f"attention placement {force!r}: host or device")
-    out = {}
-    for phase in ("decode", "prefill"):
-        placed = plan["batch"][phase].get("attention")
-        if force is not None:
-            out[phase] = 1.0 if force == "host" else 0.0
-        elif placed is not None:
-            out[phase] = float(placed["host_fraction"])
-        else:
-            out[phase] = 1.0 if device.type == "cpu" else 0.0
-    return out
 
 
 def _layer_experts(schedule: list[dict]) -> list[dict | None]:
@@ -180,29 +163,31 @@ class Worker:
     def __init__(self, plan: dict[str, Any], model_dir: Path, device: torch.device | str = "cpu", *,
                  expert_chunk: int | None = None, attn_micro_batch: int | None = None,
                  kv: KVGeometry | None = None, record_steps: bool = False, plan_path: Path | str | None = None,
-                 attention: str | None = None, keep_on_device: bool | None = None):
+                 attention: str | None = None, keep_on_device: bool | None = None, view: PlanView | None = None):
         """needs: a loaded plan and its checkpoint (and where the plan was read from, when it has
         quantized weights beside it: `plan_path`); on CUDA a plan with a device arena
         (PlanError otherwise). `expert_chunk` / `attn_micro_batch` override the plan's b_e /
-        b_a of both phases; `kv` its KV pool's geometry; `attention` ("host" / "device") the
-        plan's attention placement of both phases. `keep_on_device`: keep values between
-        device modules in the arena's staging area instead of host buffers (default: on
-        CUDA; a CPU run keeps the host buffers unless asked, with the same results)."""
+        b_a of both phases; `kv` its KV pool's geometry; `attention` (an attention backend's
+        name, attention_backends.Where) the plan's attention placement of both phases.
+        `keep_on_device`: keep values between device modules in the arena's staging area
+        instead of host buffers (default: on CUDA; a CPU run keeps the host buffers unless
+        asked, with the same results). `view`: the plan typed (PlanView.of(plan) when not given)."""
         self.device = torch.device(device)
+        self.view = view or PlanView.of(plan)
         refuse_unbudgeted_cuda(plan, self.device)
         # CUDA: the allocator capped at the plan's budget before anything is allocated there
         self.device_cap = device_budget.cap_process(plan, self.device)
         self.plan = plan
         self.info = plan["model"]["info"]
         self.cuda = self.device.type == "cuda"
-        self.dtype = TORCH_DTYPES[self.info["dtype"]]
+        self.dtype = TORCH_DTYPES[self.view.info.dtype]
         sidecar = sidecar_path(plan_path) if plan_path is not None and has_sidecar(plan) else None
         self.store = WeightStore(plan["weights"], model_dir, self.device, compute_dtype=self.dtype,
                                  keep=fp32_weight_keys(plan["schedule"]), sidecar=sidecar)
         # (b_a, b_e) per phase: a step that is mostly prompt tokens runs with the plan's prefill
         # sizes, any other with its decode sizes (the arena was sized for both)
-        self._phase_sizes = {phase: (int(attn_micro_batch or plan["batch"][phase]["b_a"]),
-                                     int(expert_chunk or plan["batch"][phase]["b_e"]))
+        self._phase_sizes = {phase: (int(attn_micro_batch or self.view.phase(phase).b_a),
+                                     int(expert_chunk or self.view.phase(phase).b_e))
                              for phase in ("decode", "prefill")}
         self.b_a, self.b_e = self._phase_sizes["decode"]
         self.inv_freq_host = plan["rope"]["inv_freq"].float()
@@ -211,12 +196,11 @@ class Worker:
         self._producer = {op["name"]: op["op"] for m in self.schedule for op in m["ops"]}
         self._next_attn = _next_attention(self.schedule)
         self._layer_experts = _layer_experts(self.schedule)
-        self.kv = KVPool.of(kv or KVGeometry.from_plan(plan), self.dtype, compute_device=self.device)
+        self.kv = KVPool.of(kv or pool_geometry(self.view), self.dtype, compute_device=self.device)
         self.d2h = DeviceToHost(self.device) if self.cuda else None  # module outputs and K/V to the host
         self.kv.d2h = self.d2h
-        self.attention = GatheredAttention(self.kv, self.device)
-        self.host_attention = HostAttention(self.kv, pin=self.cuda)
-        self._host_share = host_fractions(plan, self.device, attention)
+        self.backends = make_backends(self.kv, self.device)  # attention backends, by name (attention_backends.Where)
+        self._host_share = host_fractions(plan, self.device, attention)  # per phase: placement's host fraction
         self._phase = "decode"
         # host buffers share storage by slot (the plan's host_buffer attrs.slot: values whose
         # lives do not overlap and whose rows are the same size), as the planner counts them
@@ -241,9 +225,8 @@ class Worker:
         self.arena: DeviceArena | None = None
         self.copy: CopyEngine | None = None
         self.stage: Region | None = None
-        lay = plan.get("arena")
-        if lay:
-            self._init_arena(lay)
+        if self.view.arena is not None:
+            self._init_arena(self.view.arena)
             if self.keep_on_device:
                 self._slots = _device_slots(self.schedule)
                 bufs = {op["name"] for m in self.schedule for op in m["ops"] if op["op"] == "host_buffer"}
@@ -251,18 +234,18 @@ class Worker:
                                                           if i in bufs and i not in self._slots))
                                        for m in self.schedule]
         else:
-            self.weights: InPlaceWeights | StreamedWeights = InPlaceWeights(self.store)
+            self.weights: InPlaceWeights | StreamedWeights = InPlaceWeights(self.store, self.view)
             self.kv_staging = KVStaging(self.kv, self.device)
 
-    def _init_arena(self, lay: dict[str, Any]) -> None:
+    def _init_arena(self, lay: ArenaLayout) -> None:
         """Carve the plan's arena: resident weights, dense and expert slots, two KV buffers,
         the staging area for hidden states; start the copy engine."""
-        cap_blocks = int(lay["kv_buffer_tokens"]) // self.kv.block_size  # 0: attention on the host only
+        cap_blocks = lay.kv_buffer_tokens // self.kv.block_size  # 0: attention on the host only
         kv_bytes = KVStaging.region_bytes(self.kv, cap_blocks) if cap_blocks else 0
-        self.arena = DeviceArena(int(lay["bytes"]), self.device)
+        self.arena = DeviceArena(lay.bytes, self.device)
         self.copy = CopyEngine(self.device)
-        copier = Copier(self.device, max(int(lay["dense_slot_bytes"]), int(lay["expert_slot_bytes"])))
-        self.weights = StreamedWeights(self.plan, self.store, self.arena, self.copy, copier)
+        copier = Copier(self.device, max(lay.dense_slot_bytes, lay.expert_slot_bytes))
+        self.weights = StreamedWeights(self.view, self.store, self.arena, self.copy, copier)
         if cap_blocks:
             self.kv_staging = KVStaging(self.kv, self.device, self.copy, self.arena.region("kv_buffers", kv_bytes),
                                         cap_blocks)
@@ -272,7 +255,7 @@ class Worker:
             if any(f < 1.0 for f in self._host_share.values()):
                 raise ArenaError("device arena: the plan places attention on the device but gives it no KV "
                                  "buffers (arena.kv_buffer_tokens 0); recompile, or run with attention on the host")
-        self.stage = self.arena.region("stage", int(lay["stage_bytes"]))
+        self.stage = self.arena.region("stage", lay.stage_bytes)
         self.stats.arena_bytes = self.arena.nbytes
 
     # -- one step ---------------------------------------------------------------------------
@@ -322,8 +305,7 @@ class Worker:
     def _run_schedule(self, b: StepBatch) -> torch.Tensor:
         """Every module in plan order over the step's rows; the head's logits."""
         env: dict[str, torch.Tensor] = {"input_ids": b.input_ids, "positions": b.positions}
-        host_seqs = round(self._host_share[self._phase] * len(b.seqs))
-        mbs = b.micro_batches(self.b_a, self.kv_staging.cap_blocks, host_seqs)
+        mbs = place(b, self._host_share[self._phase], self.b_a, self.kv_staging.cap_blocks)
         logits = None
         for index, module in enumerate(self.schedule):
             kind = module["kind"]
@@ -341,37 +323,50 @@ class Worker:
 
     def _run_attention_module(self, index: int, module: dict, env: dict[str, torch.Tensor], b: StepBatch,
                               mbs: list[MicroBatch]) -> None:
-        """Micro-batch by micro-batch. Device micro-batches: the next one's KV (after the last
-        one: the next attention layer's first) is gathered while this one computes. Host
-        micro-batches read the pool in place."""
+        """Micro-batch by micro-batch, each through its backend. Those whose backend gathers:
+        the next one's KV (after the last one: the next attention layer's first) is gathered
+        while this one computes. The others read the pool in place, after them."""
         attn = next(op for op in module["ops"] if op["op"] == "attention")["attrs"]
         layer, window = attn["layer_index"], attn.get("sliding_window")
         nxt = self._next_attn[index]
-        dev = [mb for mb in mbs if not mb.host]
-        if not dev:
+        staged = [mb for mb in mbs if self._backend(mb).gathers]
+        if not staged:
             self._speculate(index, b)
-        for j, mb in enumerate(dev):
+        for j, mb in enumerate(staged):
             key = (self._step_no, layer, j)
-            kv = self.kv_staging.acquire(key, layer, self.attention.blocks(mb, window))
-            if j + 1 < len(dev):
-                self.kv_staging.submit((self._step_no, layer, j + 1), layer, self.attention.blocks(dev[j + 1], window))
-            if j + 2 >= len(dev):  # this layer's last KV load is queued: the experts may follow it
+            kv = self.kv_staging.acquire(key, layer, self._gather_blocks(mb, window))
+            if j + 1 < len(staged):
+                self.kv_staging.submit((self._step_no, layer, j + 1), layer, self._gather_blocks(staged[j + 1], window))
+            if j + 2 >= len(staged):  # this layer's last KV load is queued: the experts may follow it
                 self._speculate(index, b)
             self._run_module(module, env, b, mb, kv)
             self.kv_staging.release(key)
-        if nxt is not None and dev:
+        if nxt is not None and staged:
             nlayer, nwindow = nxt
-            self.kv_staging.submit((self._step_no, nlayer, 0), nlayer, self.attention.blocks(dev[0], nwindow))
+            self.kv_staging.submit((self._step_no, nlayer, 0), nlayer, self._gather_blocks(staged[0], nwindow))
         for mb in mbs:
-            if mb.host:
+            if not self._backend(mb).gathers:
+                self._backend(mb).prepare(mb, window)
                 self._run_module(module, env, b, mb)
+
+    def _backend(self, mb: MicroBatch) -> AttentionBackend:
+        """The attention backend micro-batch `mb` names."""
+        return self.backends[mb.where]
+
+    def _gather_blocks(self, mb: MicroBatch, window: int | None) -> torch.Tensor:
+        """[nb] the pool blocks KV staging gathers for `mb` (its backend builds its views)."""
+        blocks = self._backend(mb).prepare(mb, window)
+        if blocks is None:
+            raise RuntimeError(f"runtime: attention backend {mb.where.value!r} gathers but named no KV blocks "
+                               f"for micro-batch {mb.index}; its prepare() must return them")
+        return blocks
 
     def _speculate(self, index: int, b: StepBatch) -> None:
         """Fetch the layer's first experts before its router runs when the step's rows make
         every expert almost surely chosen (streaming.speculates)."""
         op = self._layer_experts[index]
         if op is not None and speculates(b.T, int(op["attrs"].get("top_k", 1)), int(op["attrs"]["num_experts"])):
-            self.weights.speculate(op)
+            self.weights.speculate(op["name"])
 
     def _run_module(self, module: dict, env: dict[str, torch.Tensor], b: StepBatch,
                     mb: MicroBatch | None, kv: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -520,10 +515,7 @@ class Worker:
         if kind == "attention":
             assert mb is not None, f"attention node {op['name']} outside an attention module"
             w = {k: self._w(op, k) for k in op["weights"]}
-            if mb.host:
-                return self.host_attention(op, x[0], x[1], mb, w)
-            assert kv is not None, f"attention node {op['name']}: a device micro-batch without its KV"
-            return self.attention(op, x[0], x[1], mb, kv, w)
+            return self._backend(mb).forward(op, x[0], x[1], mb, w, kv)
         if kind == "router":
             return kernels.route(x[0], self._w(op, "weight"), a,
                                  self._w(op, "bias") if "bias" in op["weights"] else None)
@@ -555,7 +547,7 @@ class Worker:
         trace, layer = self._trace, self._layer
 
         def weights(es: list[int]):
-            it = self.weights.experts(op, es)
+            it = self.weights.experts(op["name"], es)
             return it if trace is None else trace.experts(it, layer, es)
 
         a = op["attrs"]
