@@ -27,12 +27,11 @@ import platform
 import time
 from pathlib import Path
 from statistics import median
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 
-from moecc_runtime.sampling import request_generator, sample
+from moecc_runtime.sampling import SamplingParams, request_generator, sample
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +80,7 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
 def cases(S: int, V: int) -> dict[str, tuple[list[Any], list[list[int]] | None]]:
     g = torch.Generator().manual_seed(1)
     history = [torch.randint(0, V, (256,), generator=g).tolist() for _ in range(S)]
-    mk = lambda **kw: [SimpleNamespace(**{"temperature": 0.0, "top_p": 1.0, "top_k": 0, **kw}) for _ in range(S)]  # noqa: E731
+    mk = lambda **kw: [SamplingParams(**kw) for _ in range(S)]  # noqa: E731
     return {"greedy": (mk(), None), "t0.8 top-p 0.95": (mk(temperature=0.8, top_p=0.95), None),
             "t1.0": (mk(temperature=1.0), None),
             "t0.8 top-p 0.95 + pen": (mk(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,

@@ -141,7 +141,7 @@ BASELINE = r"""
 import sys, time
 from pathlib import Path
 t0 = time.perf_counter()
-from moecc_runtime.job.exec import _encode
+from moecc_runtime.job.reader import encode_request
 from moecc_runtime.job.requests import Request, iter_identified
 from moecc_runtime.plan import load_plan
 from moecc_runtime.tokenizer import Tokenizer
@@ -152,7 +152,7 @@ t1 = time.perf_counter()
 out, lines, hashes, apis = [], {}, {}, {}
 for item, request in iter_identified(sys.argv[2], 256):
     if isinstance(item, Request):
-        out.append(_encode(item, tok, ctx, 256, vocab))
+        out.append(encode_request(item, tok, ctx, 256, vocab))
         lines[item.custom_id], hashes[item.custom_id], apis[item.custom_id] = item.line, request, (item.api, item.model, item.stop)
 print(len(out), time.perf_counter() - t1, t1 - t0)
 """

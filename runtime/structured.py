@@ -6,7 +6,8 @@ A request's ``response_format`` (parsed by :mod:`moecc_runtime.job.requests`) is
 * ``("json_schema", text)``: the JSON schema ``text`` (JSON, its keys in the request's order:
   the order of ``properties`` is the order the output's keys are generated in).
 
-:class:`GrammarCompiler` is built once per job from the checkpoint's tokenizer; it compiles
+:class:`GrammarCompiler` is built once per job from the checkpoint's tokenizer, by the job's
+:class:`Grammars` (its one owner, the only place a job builds one); it compiles
 each distinct response_format once (cached) and hands out a fresh :class:`Matcher` per
 sequence. Each decode step, :func:`fill_masks` computes every constrained row's allowed
 tokens at once (llguidance's executor, in parallel threads, outside the GIL), the sampler
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GrammarCompiler", "Matcher", "fill_bitmask", "fill_masks", "output_error", "unpack_bitmask",
+__all__ = ["GrammarCompiler", "Grammars", "Matcher", "fill_bitmask", "fill_masks", "output_error", "unpack_bitmask",
            "WHITESPACE"]
 
 #: whitespace allowed between JSON tokens (llguidance's whitespace_pattern): bounded, so a
@@ -226,6 +227,40 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
     bits = (bytes_.unsqueeze(-1) >> shifts) & 1  # [S, 4W, 8]
     return bits.view(bitmask.shape[0], bytes_.shape[1] * 8)[:, :vocab_size].bool()  # [S, V]
+
+
+class Grammars:
+    """A job's (or a Ray actor's) structured outputs: the one owner of its
+    :class:`GrammarCompiler`, built on first use (llguidance is loaded only once a request has
+    a response_format) for the plan's model (vocabulary, EOS ids) and the checkpoint's
+    tokenizer. The reader checks formats with it, generate takes it as its ``grammar``
+    callback (a fresh matcher per sequence), the writer checks outputs with it."""
+
+    def __init__(self, tokenizer: Any, plan: dict[str, Any]) -> None:
+        self._tokenizer, self._plan = tokenizer, plan
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """The compiler (built once, on first use)."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler.for_plan(self._tokenizer, self._plan)
+            return self._compiler
+
+    def check(self, response_format: tuple[str, str]) -> None:
+        """Raise ValueError (saying why) when `response_format` cannot be enforced."""
+        self.compiler.check(response_format)
+
+    def __call__(self, request: Any) -> Matcher:
+        """A fresh matcher for a request with a response_format (generate's ``grammar``)."""
+        assert request.response_format is not None, f"request {request.key!r} has no response_format"
+        return self.compiler.matcher(request.response_format)
+
+    def output_error(self, text: str, response_format: tuple[str, str], token_ids: list[int]) -> str | None:
+        """:func:`output_error` with this job's compiler (for the grammar replay)."""
+        return output_error(text, response_format, token_ids, self.compiler)
 
 
 def fill_masks(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:

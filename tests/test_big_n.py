@@ -73,6 +73,7 @@ def test_big_n_that_fits_alone_does_not_starve_the_others():
     assert blocks.free_blocks == 32
 
 
+@pytest.mark.slow
 def test_the_end_to_end_job_fails_the_big_request_alone(tmp_path):
     plan = load_plan(demo_plan())
     plan["batch"]["kv"]["num_blocks"] = 12  # a pool of 96 positions

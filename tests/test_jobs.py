@@ -72,6 +72,7 @@ def assert_complete(out: Path, ref: dict[str, dict]) -> None:
             ref[r["custom_id"]]["token_ids"], ref[r["custom_id"]]["text"], ref[r["custom_id"]]["finish_reason"])
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_gives_every_request_once(job, tmp_path):
     root, plan, prompts, ref = job
     out = tmp_path / "out.jsonl"
@@ -91,6 +92,7 @@ def test_sigkill_mid_run_then_resume_gives_every_request_once(job, tmp_path):
     assert_complete(out, ref)
 
 
+@pytest.mark.slow
 def test_sigint_stops_admitting_and_exits_resumable(job, tmp_path):
     root, plan, prompts, ref = job
     out = tmp_path / "out.jsonl"
@@ -108,6 +110,7 @@ def test_sigint_stops_admitting_and_exits_resumable(job, tmp_path):
     assert_complete(out, ref)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_after_the_step(job, tmp_path):
     root, plan, prompts, ref = job
     out = tmp_path / "out.jsonl"
@@ -121,6 +124,7 @@ def test_sigterm_stops_after_the_step(job, tmp_path):
     assert len({r["custom_id"] for r in rows}) == len(rows) < len(ref)
 
 
+@pytest.mark.slow
 def test_existing_results_are_not_clobbered(job, tmp_path):
     _, plan, prompts, _ = job
     out = tmp_path / "out.jsonl"
@@ -152,6 +156,7 @@ BATCH = [
 ]
 
 
+@pytest.mark.slow
 def test_openai_batch_round_trip_field_by_field(job, tmp_path):
     root, plan, _, _ = job
     prompts = tmp_path / "batch.jsonl"
@@ -197,6 +202,7 @@ def test_openai_batch_round_trip_field_by_field(job, tmp_path):
         assert err["message"]
 
 
+@pytest.mark.slow
 def test_stop_strings_end_generation_and_are_cut_from_the_text(job, tmp_path):
     root, plan, prompts, ref = job
     r = ref["r005"]
@@ -214,6 +220,7 @@ def test_stop_strings_end_generation_and_are_cut_from_the_text(job, tmp_path):
     assert len(got["token_ids"]) < 12 and got["token_ids"] == r["token_ids"][:len(got["token_ids"])]
 
 
+@pytest.mark.slow
 def test_every_kind_of_bad_line_fails_alone_with_line_and_field(job, tmp_path):
     root, plan, _, _ = job
     long_prompt = " ".join(WORDS * 60)  # longer than the tiny model's 512-token context
@@ -245,6 +252,7 @@ def test_every_kind_of_bad_line_fails_alone_with_line_and_field(job, tmp_path):
     assert f"{p}:7:" in err and "context" in err and f"{p}:9:" in err and "UTF-8" in err
 
 
+@pytest.mark.slow
 def test_a_plan_that_would_run_code_is_refused(job, tmp_path):
     root, _, prompts, _ = job
     marker = tmp_path / "pwned"
@@ -263,6 +271,7 @@ def test_a_plan_that_would_run_code_is_refused(job, tmp_path):
     assert not marker.exists(), "loading the plan ran its code"
 
 
+@pytest.mark.slow
 def test_plan_from_another_version_or_checkpoint_is_refused(job, tmp_path):
     root, plan_path, _, _ = job
     plan = load_plan(plan_path)
@@ -304,6 +313,7 @@ def test_progress_eta_starts_from_the_prediction_and_follows_measurement(monkeyp
     assert out.getvalue().count("\n") == len(out.getvalue().splitlines())
 
 
+@pytest.mark.slow
 def test_resume_skips_failures_already_recorded_and_never_duplicates_them(job, tmp_path):
     """Bad lines (one a duplicate custom_id of a valid request) fail once; resuming a job
     whose output lost its results re-runs only those requests, errors are not repeated."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from moecc.testing.checkpoints import write_checkpoint
 from moecc_runtime.job.exec import run_job
 from moecc_runtime.job.requests import RequestFieldError, iter_request_lines, parse_request
 from moecc_runtime.plan import save_plan
-from moecc_runtime.sampling import adjust_logits, choose, is_neutral
+from moecc_runtime.sampling import SamplingParams, adjust_logits, choose, is_neutral
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -130,8 +129,8 @@ def test_penalties_parse() -> None:
 # --------------------------------------------------------------------------- the sampler
 
 
-def P(**kw) -> SimpleNamespace:
-    return SimpleNamespace(**{"temperature": 0.0, "top_p": 1.0, "top_k": 0, **kw})
+def P(**kw) -> SamplingParams:
+    return SamplingParams(**kw)
 
 
 ROW = torch.tensor([1.0, -2.0, 3.0, 0.5, -0.25, 2.0])
@@ -216,6 +215,7 @@ def test_neutral_values_leave_greedy_tokens_unchanged(tiny, tmp_path) -> None:
     assert tokens(a) == tokens(b)
 
 
+@pytest.mark.slow
 def test_penalties_change_generation_end_to_end(tiny, tmp_path) -> None:
     _, plan = tiny
     base = [cmpl({"prompt": PROMPTS[0], "max_tokens": 12}, "plain")]
@@ -237,6 +237,7 @@ def test_penalties_change_generation_end_to_end(tiny, tmp_path) -> None:
         assert got[cid] != plain and repeats(got[cid]) < repeats(plain), (cid, got[cid], plain)
 
 
+@pytest.mark.slow
 def test_logit_bias_outside_the_vocabulary_fails_its_line(tiny, tmp_path) -> None:
     _, plan = tiny
     rows = [cmpl({"logit_bias": {"99999999": 1}}, "bad"), cmpl({"max_tokens": 2}, "good")]
@@ -247,6 +248,7 @@ def test_logit_bias_outside_the_vocabulary_fails_its_line(tiny, tmp_path) -> Non
     assert "logit_bias" in json.dumps(read_jsonl(errors))
 
 
+@pytest.mark.slow
 def test_an_empty_input_file_is_a_clean_no_op(tiny, tmp_path) -> None:
     _, plan = tiny
     for name, content in (("empty.jsonl", b""), ("blank.jsonl", b"\n\n")):
@@ -267,6 +269,6 @@ def test_min_p_parses_and_keeps_only_tokens_near_the_best() -> None:
     from moecc_runtime.sampling import request_generator, sample
 
     logits = torch.tensor([[4.0, 3.9, 0.0, -1.0] + [-5.0] * 60] * 64)  # two near the best, the rest far below
-    params = [SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.5)] * 64
+    params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.5)] * 64
     got = set(sample(logits, params, [request_generator(i, "m") for i in range(64)]).tolist())
     assert got <= {0, 1} and len(got) == 2

@@ -15,7 +15,7 @@ from moecc_runtime.job.exec import run_job
 from moecc_runtime.job.ray_data import MoeccPredictor
 from moecc_runtime.plan import save_plan
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}

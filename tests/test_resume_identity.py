@@ -23,6 +23,9 @@ from moecc_runtime.job.results import plan_identity, replaced_path
 from moecc_runtime.plan import PlanError, load_plan, save_plan
 
 
+pytestmark = pytest.mark.slow  # the whole file
+
+
 def rows_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 

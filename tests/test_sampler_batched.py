@@ -4,14 +4,13 @@ request's tokens independent of what else is in the step (issue 29, item 5)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moecc_runtime.sampling import DrawParams, draw, request_generator, sample
+from moecc_runtime.sampling import DrawParams, SamplingParams, draw, request_generator, sample
 import moecc_runtime.sampling.draw_rows as draw_module
 from moecc_runtime import native
 
@@ -94,8 +93,8 @@ def test_a_seeded_request_draws_the_same_whatever_else_runs(first_tier) -> None:
     """Request "a" (seed 7) alone, then at another row among others, for 5 steps: the same tokens."""
     V = 2000
     logits = [peaked(V, s) for s in range(5)]
-    params = SimpleNamespace(temperature=0.8, top_p=0.95, top_k=0)
-    others = [SimpleNamespace(temperature=t, top_p=1.0, top_k=k) for t, k in ((0.0, 0), (1.2, 0), (0.5, 40))]
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=0)
+    others = [SamplingParams(temperature=t, top_p=1.0, top_k=k) for t, k in ((0.0, 0), (1.2, 0), (0.5, 40))]
 
     def run(rows_before: int) -> list[int]:
         g = request_generator(7, "a")
@@ -127,7 +126,7 @@ def test_greedy_rows_and_non_finite_rows() -> None:
     x = torch.randn(6, 300)
     x[2, 7] = x[4, 9] = float("nan")
     x[3] = x[5] = float("-inf")
-    ps = [SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0), SimpleNamespace(temperature=0.9, top_p=0.9, top_k=0)] * 3
+    ps = [SamplingParams(temperature=0.0, top_p=1.0, top_k=0), SamplingParams(temperature=0.9, top_p=0.9, top_k=0)] * 3
     gens = [None, request_generator(1, "x"), None, request_generator(2, "y"), None, request_generator(3, "z")]
     out = sample(x, ps, gens).tolist()
     assert out[0] == int(x[0].argmax()) and 0 <= out[1] < 300 and out[2:] == [-1, -1, -1, -1]

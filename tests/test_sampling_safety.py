@@ -4,21 +4,17 @@ cannot be sampled fails that request alone (issue 20, item 2)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import torch
 
 from moecc.compiler import compile_model
 from moecc_runtime.job.exec import run_job
 from moecc_runtime.plan import save_plan
-from moecc_runtime.sampling import SamplingError, choose, next_token, request_generator
+from moecc_runtime.sampling import SamplingError, SamplingParams, choose, next_token, request_generator
 
 
-@dataclass
-class P:
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = 0
+def P(temperature: float) -> SamplingParams:
+    return SamplingParams(temperature=temperature)
 
 
 def test_tiny_temperature_samples_the_argmax():

@@ -84,6 +84,7 @@ def test_the_command_refuses_an_open_address_without_a_key(tmp_path: Path) -> No
         check(ServeConfig([m, m], tmp_path))
 
 
+@pytest.mark.slow
 def test_upload_create_poll_download_every_line_validates(server: ServerProcess) -> None:
     c = client(server)
     assert [m.id for m in c.models.list()] == ["demo-model", "tiny"]
@@ -158,6 +159,7 @@ def chromium() -> str | None:
     return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 
 
+@pytest.mark.slow
 def test_status_page_in_headless_chromium_shows_the_api_counts(server: ServerProcess, long_batch: Batch,
                                                                tmp_path: Path) -> None:
     exe = chromium()
@@ -176,6 +178,7 @@ def test_status_page_in_headless_chromium_shows_the_api_counts(server: ServerPro
     assert "decode" in dom and "prefill" in dom  # explain's summary of the plan
 
 
+@pytest.mark.slow
 def test_status_page_without_a_browser(server: ServerProcess, long_batch: Batch) -> None:
     req = urllib.request.Request(server.url + "/", headers={"Authorization": f"Bearer {K1}"})
     before = client(server).batches.retrieve(long_batch.id).request_counts
@@ -191,6 +194,7 @@ def test_status_page_without_a_browser(server: ServerProcess, long_batch: Batch)
     assert long_batch.id not in urllib.request.urlopen(other, timeout=10).read().decode()
 
 
+@pytest.mark.slow
 def test_cancel_mid_run_keeps_the_finished_results(server: ServerProcess, long_batch: Batch) -> None:
     c = client(server)
     cancelled = c.batches.cancel(long_batch.id)
@@ -207,6 +211,7 @@ def test_cancel_mid_run_keeps_the_finished_results(server: ServerProcess, long_b
     assert c.batches.cancel(b.id).status == "cancelled"  # idempotent
 
 
+@pytest.mark.slow
 def test_a_batch_past_its_window_expires_with_what_finished(server: ServerProcess) -> None:
     """Expiry (24h) brought forward by setting the batch's expires_at in the server's database
     while it runs (SQLite in WAL mode takes a second writer): the run stops, the finished
@@ -234,6 +239,7 @@ def test_a_batch_past_its_window_expires_with_what_finished(server: ServerProces
     assert len(errs) == bad and {e["error"]["code"] for e in errs} == {"batch_expired"}
 
 
+@pytest.mark.slow
 def test_lists_paginate(server: ServerProcess) -> None:
     c = client(server, K2)
     f = c.files.create(file=("one.jsonl", jsonl([chat_line("a", "hi", 1)])), purpose="batch")
@@ -252,6 +258,7 @@ def test_lists_paginate(server: ServerProcess) -> None:
     assert listed[:3] == files[::-1] and f.id in listed
 
 
+@pytest.mark.slow
 def test_a_key_sees_only_its_own_objects_and_no_key_gets_401(server: ServerProcess) -> None:
     one, two = client(server, K1), client(server, K2)
     f = one.files.create(file=("mine.jsonl", jsonl([chat_line("m", "hi", 1)])), purpose="batch")
@@ -294,6 +301,7 @@ def openai_error(status: int, doc: dict, want: int) -> bool:
     return status == want and set(err) == {"message", "type", "param", "code"} and bool(err["message"])
 
 
+@pytest.mark.slow
 def test_bad_input_gets_openai_errors_and_breaks_nothing(server: ServerProcess) -> None:
     c = client(server)
     # a file that is not JSONL: the batch fails with errors naming the line

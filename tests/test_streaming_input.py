@@ -15,6 +15,7 @@ import pytest
 
 from moecc.compiler import compile_model
 from moecc_runtime.job import exec as X
+from moecc_runtime.job import reader
 from moecc_runtime.job.progress import Progress
 from moecc_runtime.job.requests import iter_identified
 from moecc_runtime.plan import save_plan
@@ -61,7 +62,7 @@ class Watch:
         self.errors_seen: dict[int, list[dict]] = {}  # lines read -> the errors file then
         self.most_held = 0
         self.errors = errors
-        real_iter, real_finish = X.iter_identified, X.Job.on_finish
+        real_iter, real_finish = reader.iter_identified, X.Job.on_finish
         watch = self
 
         def counting(path, default_max_tokens):
@@ -74,11 +75,11 @@ class Watch:
         def finishing(job, r):
             if watch.at_first_result is None:
                 watch.at_first_result = watch.read
-            watch.most_held = max(watch.most_held, len(job.lines), len(job.requests), len(job.apis))
+            watch.most_held = max(watch.most_held, len(job.reader.pending))
             real_finish(job, r)
             watch.job = job
 
-        monkeypatch.setattr(X, "iter_identified", counting)
+        monkeypatch.setattr(reader, "iter_identified", counting)
         monkeypatch.setattr(X.Job, "on_finish", finishing)
 
 
@@ -91,7 +92,7 @@ def test_first_result_before_the_file_is_read_and_bad_lines_fail_alone(tiny, tmp
     assert watch.read == N
     # bookkeeping: only what is in flight (2) and the scheduler's one lookahead, never the file
     assert watch.most_held <= 4, watch.most_held
-    assert (watch.job.lines, watch.job.requests, watch.job.apis) == ({}, {}, {})
+    assert watch.job.reader.pending == {}
     assert (s.requests, s.succeeded, s.failed, s.skipped, s.status) == (N, N - 2, 2, 0, "done")
     recs = read_jsonl(errors)
     assert [(r["error"]["line"], r["error"]["field"]) for r in recs] == sorted(BAD.items())
@@ -162,11 +163,11 @@ def test_count_request_lines_matches_the_reader(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_bytes(b"\xef\xbb\xbf  \r\n" + b'{"prompt": "a"}\r\n' + b"\n \t\x0c\n" + b"not json\n" + b"\r\r\n"
                   + b'{"prompt": "b"}')  # a BOM-only line 1, blank lines of all sorts, no newline at the end
-    assert X.count_request_lines(p) == sum(1 for _ in iter_identified(p, 16)) == 3
+    assert reader.count_request_lines(p) == sum(1 for _ in iter_identified(p, 16)) == 3
     p.write_bytes(b"")
-    assert X.count_request_lines(p) == 0
+    assert reader.count_request_lines(p) == 0
     p.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n' * 3)
-    assert X.count_request_lines(p, chunk=4) == sum(1 for _ in iter_identified(p, 16)) == 3
+    assert reader.count_request_lines(p, chunk=4) == sum(1 for _ in iter_identified(p, 16)) == 3
 
 
 def test_progress_expected_tokens_follow_the_running_mean():

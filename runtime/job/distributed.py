@@ -61,6 +61,7 @@ class ShardRunner:
         import torch
 
         from moecc_runtime.engine import Engine
+        from moecc_runtime.structured import Grammars
         from moecc_runtime.tokenizer import Tokenizer
 
         if device == "cpu":
@@ -69,15 +70,7 @@ class ShardRunner:
                              share_prefixes=share_prefixes)
         self.tok = Tokenizer(Path(model_dir))
         self.max_batch = max_batch
-        self._grammars: Any = None
-
-    def _grammar(self, req: GenRequest) -> Any:
-        """A fresh matcher for a request's response_format (the grammars built on first use)."""
-        if self._grammars is None:
-            from moecc_runtime.structured import GrammarCompiler
-
-            self._grammars = GrammarCompiler.for_plan(self.tok, self.engine.plan)
-        return self._grammars.matcher(req.response_format)
+        self.grammars = Grammars(self.tok, self.engine.plan)  # this actor's structured outputs (built on first use)
 
     def run(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
         """Run a shard's requests to completion: {"results": [...], "errors": [[key, message]]}."""
@@ -91,7 +84,7 @@ class ShardRunner:
             results.append({**_plain_result(r), "choices": [_plain_result(c) for c in r.choices]})
 
         generate(self.engine, reqs, done, max_batch=self.max_batch, on_error=lambda r, m: errors.append([r.key, m]),
-                 stop_check=self.tok.stop_check, grammar=self._grammar)
+                 stop_check=self.tok.stop_check, grammar=self.grammars)
         return {"results": results, "errors": errors, "steps": self.engine.stats.steps}
 
 

@@ -33,13 +33,14 @@ from moecc_runtime.job.integrity import verify_sidecar
 from moecc_runtime.job.lock import JobFiles, check_distinct, open_job_files
 from moecc_runtime.job.progress import Progress
 from moecc_runtime.job.paths import PathError, check_file_writable
-from moecc_runtime.job.requests import Request, RequestError, iter_identified
+from moecc_runtime.job.reader import RequestReader
+from moecc_runtime.job.requests import iter_identified
+from moecc_runtime.job.results import Done, InputKeys, ResultWriter, error_key, plan_identity, resume_scan
 from moecc_runtime.job.source import PromptSource, prompt_source
-from moecc_runtime.job.results import (Completion, Done, InputKeys, ResultWriter, TokenLogprob, error_key,
-                                      plan_identity, resume_scan)
+from moecc_runtime.job.writer import JobWriter
 from moecc_runtime.plan import PlanError, check_checkpoint, load_plan
 from moecc_runtime.scheduler.sequence import GenRequest, GenResult
-from moecc_runtime.structured import GrammarCompiler, output_error
+from moecc_runtime.structured import Grammars
 from moecc_runtime.tokenizer import Tokenizer
 from moecc_runtime.worker.worker import refuse_unbudgeted_cuda
 
@@ -280,229 +281,54 @@ class _Resumed(Done):
         return cls(**{f.name: getattr(done, f.name) for f in fields(done)}, standing=standing)
 
 
-def count_request_lines(path: str | Path, chunk: int = 1 << 20) -> int:
-    """The lines of a prompts file that hold a request (or a bad line): the non-blank ones, as
-    requests.iter_request_lines counts them (a UTF-8 BOM before line 1 ignored). One buffered
-    pass over the bytes, holding one line at a time: about 0.1 s per 100 MB."""
-    with open(path, "rb", buffering=chunk) as f:
-        first = f.readline()
-        if first.startswith(b"\xef\xbb\xbf"):
-            first = first[3:]
-        return int(bool(first.strip())) + sum(map(bool, map(bytes.strip, f)))
-
-
 class Job:
-    """The bookkeeping a job shares between the local runner and the Ray one: reading and
-    validating its requests (skipping what a resumed job already did), writing results and
-    errors as they come, the summary and the progress display."""
+    """A job as the local runner and the Ray one both see it: its reader (requests in,
+    encoded: job/reader.py), its writer (results and errors out: job/writer.py), its progress
+    display (job/progress.py), its grammars (structured.Grammars, the one owner of its
+    compiler) and its summary, composed here."""
 
-    def __init__(self, plan: dict[str, Any], prompts_path: str | Path, writer: ResultWriter, tok: Tokenizer,
+    def __init__(self, plan: dict[str, Any], prompts_path: str | Path, lines: ResultWriter, tok: Tokenizer,
                  summary: JobSummary, done: Done, log: IO[str] | None, max_tokens: int,
                  plan_path: str | Path | None = None, share_prefixes: bool = True,
                  source: PromptSource | None = None):
-        self.plan, self.prompts_path, self.writer, self.tok = plan, prompts_path, writer, tok
-        #: the input (a stream is read once: Job.read; a regular file by its path)
-        self.source = source if source is not None else prompt_source(prompts_path)
-        self.prompts_name = self.source.name  # how messages name the input ("<stdin>" for -)
-        self.share_prefixes = share_prefixes  # the engine shares KV blocks of common prompt prefixes
-        self._grammars: GrammarCompiler | None = None  # built when the first response_format is read
+        self.plan, self.tok, self.summary, self.log, self.max_tokens = plan, tok, summary, log, max_tokens
         self.plan_path = plan_path  # where the plan was read (its quantized weights, if any, are beside it)
-        self.summary, self.done, self.log, self.max_tokens = summary, done, log, max_tokens
-        #: custom_id -> (api, model, stop, the prompt's text when echoed)
-        self.apis: dict[str, tuple[str, str | None, tuple[str, ...], str | None]] = {}
-        self.lines: dict[str, int] = {}  # custom_id -> input line
-        self.caps: dict[str, int] = {}  # custom_id -> the tokens it may generate (max_tokens x n), for the ETA
-        self.formats: dict[str, tuple[str, str]] = {}  # custom_id -> its response_format, when it has one
-        self.requests: dict[str, str] = {}  # custom_id -> request hash (results.py's identity)
-        # (the three above hold only requests read and not yet finished or failed: see forget)
+        self.share_prefixes = share_prefixes  # the engine shares KV blocks of common prompt prefixes
+        source = source if source is not None else prompt_source(prompts_path)
+        self.grammars = Grammars(tok, plan)  # built when the first response_format is read
+        self.writer = JobWriter(lines, tok, self.grammars, summary, log, source.name)
+        self.reader = RequestReader(plan, source, prompts_path, tok, self.grammars, summary, done, max_tokens,
+                                    self.writer.fail)
         self.prog: Progress | None = None
-        self.lines_total: int | None = None  # the input's request lines (start_progress counts them)
-        self.read_all = False  # read() reached the end of the input
 
     def read(self) -> Iterator[GenRequest]:
-        """The requests still to run, encoded, read lazily from the file as the runner pulls
-        them (a million-line file is never held whole); bad lines and unencodable prompts
-        fail alone as they are reached (their error record written at once). Skipped (a
-        resumed job): a request whose result stands with the same request hash, and a line
-        whose error stands under the same error_key (custom_id, request hash). Each request
-        yielded has its bookkeeping (line, request hash, api) here until `forget` drops it
-        (on_finish / on_error do, after writing it). Custom_ids yielded are unique: a repeated
-        one is a bad line (requests.iter_request_lines)."""
-        context = int(self.plan["model"]["info"]["max_position_embeddings"])
-        vocab = int(self.plan["model"]["info"]["vocab_size"])
-        where = self.source.open_stream() if self.source.stream else self.prompts_path
-        for item, request in iter_identified(where, self.max_tokens):
-            self.summary.requests += 1
-            if isinstance(item, RequestError):
-                if error_key(item.custom_id, request) in self.done.errors:
-                    self.summary.skipped += 1
-                    continue
-                self.fail(item.to_record(), str(item), request, item.api)
-                continue
-            if (self.done.results.get(item.custom_id) == request
-                    or error_key(item.custom_id, request) in self.done.errors):
-                self.summary.skipped += 1
-                continue
-            try:
-                gen = _encode(item, self.tok, context, self.max_tokens, vocab,
-                              self.grammars if item.response_format is not None else None)
-            except ValueError as e:
-                field_ = getattr(e, "field", None) or ("prompt" if item.prompt is not None else "messages")
-                if item.api != "simple":
-                    field_ = "body." + field_
-                rec = {"custom_id": item.custom_id, "error": {"line": item.line, "field": field_, "message": str(e)}}
-                self.fail(rec, f"{self.prompts_name}:{item.line}: {e}", request, item.api)
-                continue
-            self.lines[item.custom_id] = item.line
-            self.requests[item.custom_id] = request
-            self.apis[item.custom_id] = (item.api, item.model, item.stop, self._echo(item, gen))
-            self.caps[item.custom_id] = gen.max_tokens * gen.n
-            if gen.response_format is not None:
-                self.formats[item.custom_id] = gen.response_format
-            if self.prog is not None:
-                self.prog.expect(gen.max_tokens * gen.n)
-            yield gen
-        self.read_all = True
-        if self.prog is not None:  # the exact figure, now that every line was read
-            self.prog.set_total(self.summary.requests - self.summary.skipped)
+        """The requests still to run, encoded, as the runner pulls them (RequestReader.read)."""
+        return self.reader.read()
 
     def start_progress(self, mode: str) -> Progress:
-        """The progress display, before the first request is read: its total is the input's
-        request lines (a byte scan, count_request_lines) less those a resumed job skips; the
-        tokens per request for the ETA start at the default max_tokens and follow the running
-        mean of the requests read (Progress.expect)."""
-        total: int | None = None  # a stream: not known until it ends (Progress shows counts and rates)
-        if not self.source.stream:
-            self.lines_total = count_request_lines(self.prompts_path)
-            total = max(0, self.lines_total - int(getattr(self.done, "standing", 0)))
-        self.prog = Progress(total, float(self.max_tokens), self.plan.get("predicted", {}).get("job_tokens_per_s"),
+        """The progress display, before the first request is read: its total is the requests
+        the reader expects to run; the tokens per request for the ETA start at the default
+        max_tokens and follow the running mean of the requests read (Progress.expect)."""
+        self.prog = Progress(self.reader.expected(), float(self.max_tokens),
+                             self.plan.get("predicted", {}).get("job_tokens_per_s"),
                              mode=mode, stream=self.log or sys.stderr)
+        self.reader.prog = self.writer.prog = self.prog
         return self.prog
 
-    def forget(self, key: str) -> None:
-        """Drop a finished (or failed) request's bookkeeping, so it never grows with the file."""
-        self.lines.pop(key, None)
-        self.requests.pop(key, None)
-        self.apis.pop(key, None)
-        self.caps.pop(key, None)
-        self.formats.pop(key, None)
-
     def on_finish(self, r: GenResult) -> None:
-        """generate's on_finish (once per request, all its completions in `r`): `finished`,
-        then the request's bookkeeping dropped."""
-        self.finished(r)
-        self.forget(r.key)
+        """generate's on_finish (once per request, all its completions in `r`): written, then
+        the request's bookkeeping dropped."""
+        self.writer.finished(r, self.reader.pending[r.key])
+        self.reader.forget(r.key)
 
     def on_error(self, r: GenRequest, message: str) -> None:
-        """generate's on_error: `failed`, then the request's bookkeeping dropped."""
-        self.failed(r, message)
-        self.forget(r.key)
+        """generate's on_error: the failure written, then the request's bookkeeping dropped."""
+        self.writer.failed(r, message, self.reader.pending[r.key])
+        self.reader.forget(r.key)
 
     def settle_counts(self) -> None:
-        """An interrupted run did not read the whole input: count its unread request lines
-        (`requests`) and, for a resumed job, the skips among them (`skipped`), as a run that
-        read everything first counts them. Unread bad lines are not failed here: like the
-        unread requests they are not run (a resumed job reaches them)."""
-        if self.read_all or self.lines_total is None:
-            return
-        self.summary.requests = max(self.summary.requests, self.lines_total)
-        self.summary.skipped = max(self.summary.skipped, int(getattr(self.done, "standing", 0)))
-
-    def fail(self, record: dict[str, Any], text: str, request: str, api: str = "simple",
-             cap: int | None = None) -> None:
-        """A failed request: counted, on the log, and its error record (with the request
-        hash `request`) in the errors file. `cap`: its max_tokens x n when it was read as a
-        request and then failed (progress counts it out of those in flight)."""
-        self.summary.failed += 1
-        self.summary.errors.append(record)
-        if self.log is not None:
-            if self.prog is not None:
-                self.prog.log(f"error: {text}")
-            else:
-                print(f"error: {text}", file=self.log)
-        self.writer.error(record, request, api)
-        if self.prog is not None:
-            self.prog.request(False, cap=cap)
-
-    def finished(self, r: GenResult) -> None:
-        """Write a finished request's result, each completion's text cut at its first stop
-        string; a constrained one whose "stop" output breaks its response_format fails instead."""
-        api, model, stop, echo = self.apis[r.key]
-        texts = [self.tok.output_text(c.token_ids, stop) for c in r.completions]
-        broken = self._broken_promise(r.key, r.completions, texts)
-        if broken is not None:
-            self._fail_output(r.key, api, broken)
-            return
-        self.summary.succeeded += 1
-        self.summary.prompt_tokens += len(r.prompt_ids)
-        prompt = self._token_logprobs(r.prompt_ids, r.prompt_logprobs)
-        completions = [Completion((echo or "") + text, c.token_ids, c.finish_reason,
-                                  _joined(prompt, self._token_logprobs(c.token_ids, c.logprobs)))
-                       for c, text in zip(r.completions, texts)]
-        self.summary.completion_tokens += sum(len(c.token_ids) for c in completions)
-        self.writer.result(r.key, api, completions, len(r.prompt_ids), model, request=self.requests[r.key])
-        if self.prog is not None:
-            self.prog.request(True, sum(len(c.token_ids) for c in completions), cap=self.caps.get(r.key))
-
-    def _broken_promise(self, key: str, completions: list[GenResult], texts: list[str]) -> str | None:
-        """Why a constrained request's completion that says finish_reason "stop" is not a
-        document its response_format admits (None: every one is); see structured.output_error."""
-        rf = self.formats.get(key)
-        if rf is None:
-            return None
-        for j, (c, text) in enumerate(zip(completions, texts)):
-            if c.finish_reason != "stop":
-                continue  # cut at max_tokens: unfinished, and it says so
-            why = output_error(text, rf, c.token_ids, self.grammars)
-            if why is not None:
-                return (f"completion {j} ended with finish_reason \"stop\" but {why}; the result is not written "
-                        f"(a stop string that cuts the JSON does this: drop `stop` from a request with a "
-                        f"response_format)")
-        return None
-
-    def _fail_output(self, key: str, api: str, message: str) -> None:
-        """Fail a finished request whose output breaks its response_format (field response_format)."""
-        line = self.lines.get(key)
-        field_ = "response_format" if api == "simple" else "body.response_format"
-        self.fail({"custom_id": key, "error": {"line": line, "field": field_, "message": message}},
-                  f"{self.prompts_name}:{line}: {message}", self.requests[key], api, cap=self.caps.get(key))
-
-    def _token_logprobs(self, ids: list[int], entries: list[Any] | None) -> list[TokenLogprob] | None:
-        """Tokens and their logprob entries (None for an echoed prompt's first token) as the
-        writers report them, each token with its text; None when not asked."""
-        if entries is None:
-            return None
-        ts = self.tok.token_str
-        return [TokenLogprob(t, ts(t), None, []) if e is None else
-                TokenLogprob(t, ts(t), e[0], [(i, ts(i), v) for i, v in e[1]]) for t, e in zip(ids, entries)]
-
-    def _echo(self, item: Request, gen: GenRequest) -> str | None:
-        """The text an echoed prompt comes back as: as given, or its token ids decoded."""
-        if not item.echo:
-            return None
-        return item.prompt if isinstance(item.prompt, str) else self.tok.decode(gen.prompt_ids)
-
-    def grammar(self, req: GenRequest) -> Any:
-        """A fresh grammar matcher for a request with a response_format (generate's `grammar`)."""
-        assert req.response_format is not None
-        return self.grammars.matcher(req.response_format)
-
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """The job's structured-output grammars (built on first use, once)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler.for_plan(self.tok, self.plan)
-        return self._grammars
-
-    def failed(self, r: GenRequest, message: str) -> None:
-        """A request the engine could not run (it needs more KV than the whole pool; with n > 1
-        the scheduler's message says its completions cannot be held at once: field n)."""
-        line = self.lines.get(r.key)
-        api = self.apis.get(r.key, ("simple", None, (), None))[0]
-        name = "n" if f"asks for n={r.n} completions" in message else "max_tokens"
-        self.fail({"custom_id": r.key, "error": {"line": line, "field": name if api == "simple" else
-                                                 f"body.{name}", "message": message}},
-                  f"{self.prompts_name}:{line}: {message}", self.requests[r.key], api, cap=self.caps.get(r.key))
+        """Count what an interrupted run did not read (RequestReader.settle_counts)."""
+        self.reader.settle_counts()
 
     def control(self, signals: "_Signals") -> str:
         """What the runner should do now (see generate's `control`), noted on the progress."""
@@ -546,7 +372,7 @@ def _run(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batch: i
     try:
         outcome = generate(engine, requests, job.on_finish, max_batch=max_batch, on_error=job.on_error,
                            stop_check=job.tok.stop_check, control=lambda: job.control(signals), on_step=prog.step,
-                           grammar=job.grammar)
+                           grammar=job.grammars)
     finally:
         requests.close()  # an interrupted run: the input file is closed now
         job.settle_counts()
@@ -581,57 +407,3 @@ def _run_ray(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batc
         job.end(outcome, signals, start, wall0, {"ray": {"address": options.address, "workers": options.workers}},
                 stats_path)
     return job.summary
-
-
-def _joined(prompt: list[TokenLogprob] | None, completion: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
-    """A choice's logprobs: the echoed prompt's (if any) before the completion's."""
-    if prompt is None:
-        return completion
-    return prompt + (completion or [])
-
-
-class EncodeError(ValueError):
-    """A request that parsed but cannot run, naming its field (relative to the body)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-def _encode(req: Request, tok: Tokenizer, context: int, default_max: int, vocab: int,
-            grammars: GrammarCompiler | None = None) -> GenRequest:
-    """The GenRequest of a validated request: its prompt tokenized and checked against the
-    model (context, vocabulary), its response_format's grammar built (`grammars`: needed when
-    it has one). Raises ValueError (EncodeError naming the field when not the prompt)."""
-    # the longest prompt: one position left to generate into, or with echo the whole context (the
-    # prompt alone comes back, scored; nothing is generated past the context)
-    limit = context if req.echo else context - 1
-    least = tok.min_tokens(req)  # checked before tokenizing: a huge line fails fast and small
-    if least > limit:
-        raise ValueError(f"prompt is at least {least} tokens (judged from its length, before tokenizing), "
-                         f"the model's context is {context}; shorten it to at most {limit} tokens")
-    ids = tok.encode_request(req)
-    bad = next((t for t in ids if t >= vocab), None)
-    if bad is not None:
-        raise ValueError(f"token id {bad} is outside the model's vocabulary of {vocab}")
-    if not ids:
-        raise ValueError("the prompt encodes to no tokens")
-    if len(ids) > limit:
-        raise ValueError(f"prompt is {len(ids)} tokens, the model's context is {context}; "
-                         f"shorten it to at most {limit} tokens")
-    bad = next((t for t, _ in req.logit_bias if t >= vocab), None)
-    if bad is not None:
-        raise EncodeError("logit_bias", f"logit_bias names token id {bad}, outside the model's vocabulary of {vocab}")
-    if req.response_format is not None:
-        assert grammars is not None, "a request with a response_format needs the job's grammars"
-        try:
-            grammars.check(req.response_format)
-        except ValueError as e:
-            kind = req.response_format[0]
-            raise EncodeError("response_format.json_schema.schema" if kind == "json_schema" else "response_format",
-                              str(e)) from None
-    max_new = min(default_max if req.max_tokens is None else req.max_tokens, context - len(ids))
-    return GenRequest(req.custom_id, ids, max_new, req.temperature, req.top_p, req.top_k, req.seed, req.stop,
-                      req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.logit_bias,
-                      req.min_tokens, req.logprobs, req.n, req.response_format,
-                      prompt_logprobs=req.logprobs if req.echo else None, min_p=req.min_p)

@@ -29,6 +29,7 @@ import numpy as np
 
 from moecc_runtime.engine import generate
 from moecc_runtime.scheduler.sequence import GenRequest
+from moecc_runtime.structured import Grammars
 
 
 class MoeccPredictor:
@@ -46,12 +47,12 @@ class MoeccPredictor:
         self.context = int(self.plan["model"]["info"]["max_position_embeddings"])
         self.vocab = int(self.plan["model"]["info"]["vocab_size"])
         self.max_batch, self.max_tokens, self.column = max_batch, max_tokens, prompt_column
-        self._grammars: Any = None
+        self.grammars = Grammars(self.tok, self.plan)  # this actor's structured outputs (built on first use)
 
     def _request(self, i: int, row: dict[str, Any]) -> GenRequest:
         """Row i as a request: its known fields (nulls dropped) validated as a simple line,
         then encoded as `moecc exec` does (its key is `i`). Raises ValueError naming the field."""
-        from moecc_runtime.job.exec import _encode
+        from moecc_runtime.job.reader import encode_request
         from moecc_runtime.job.requests import KNOWN_FIELDS, RequestFieldError, parse_request
 
         obj = {k: _plain(v) for k, v in row.items() if k in KNOWN_FIELDS and k != "custom_id" and _present(v)}
@@ -67,17 +68,8 @@ class MoeccPredictor:
             raise ValueError(f"field '{e.field}': {e.message}" if e.field else e.message) from None
         if isinstance(req.prompt, str) and not req.prompt.strip():
             raise ValueError(f"'{self.column}' is empty")
-        return _encode(req, self.tok, self.context, self.max_tokens, self.vocab,
-                       self.grammars if req.response_format is not None else None)
-
-    @property
-    def grammars(self) -> Any:
-        """The structured-output grammars (built on first use)."""
-        if self._grammars is None:
-            from moecc_runtime.structured import GrammarCompiler
-
-            self._grammars = GrammarCompiler.for_plan(self.tok, self.plan)
-        return self._grammars
+        return encode_request(req, self.tok, self.context, self.max_tokens, self.vocab,
+                              self.grammars if req.response_format is not None else None)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         cols = {k: list(v) for k, v in batch.items()}
@@ -111,7 +103,7 @@ class MoeccPredictor:
 
         reqs_by_key = {r.key: r for r in reqs}
         generate(self.engine, reqs, finished, max_batch=self.max_batch, on_error=failed,
-                 stop_check=self.tok.stop_check, grammar=lambda r: self.grammars.matcher(r.response_format))
+                 stop_check=self.tok.stop_check, grammar=self.grammars)
         out = {k: np.asarray(v, dtype=object) if not isinstance(batch[k], np.ndarray) else batch[k]
                for k, v in cols.items()}
         out.update(text=np.asarray(texts, dtype=object), token_ids=_objects(ids),

@@ -13,7 +13,8 @@ or in OpenAI's Batch API form (the two may be mixed)::
 
 A bad line never stops the others: it becomes a :class:`RequestError` naming the
 file, the 1-based line number and the offending field, while every other line is
-still parsed into a :class:`Request`. Only the standard library is used here.
+still parsed into a :class:`Request` (its sampling fields: runtime/sampling/params.py).
+Only the standard library (and that dataclass) is used here.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+from moecc_runtime.sampling.params import SamplingParams
+
 __all__ = [
     "KNOWN_FIELDS",
     "Request",
@@ -40,7 +43,7 @@ __all__ = [
     "read_requests",
 ]
 
-#: the sampler's penalties, biases and floors (runtime/sampling.py), in both line forms
+#: the sampler's penalties, biases and floors (runtime/sampling/penalties.py), in both line forms
 PENALTY_FIELDS: tuple[str, ...] = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                                    "min_tokens")
 KNOWN_FIELDS: tuple[str, ...] = (
@@ -94,32 +97,18 @@ _UTF8_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
-class Request:
-    """One validated request; exactly one of ``prompt`` / ``messages`` is set."""
+class Request(SamplingParams):
+    """One validated request: where it came from, its prompt (exactly one of ``prompt`` /
+    ``messages`` is set) and its sampling parameters (the SamplingParams fields, keyword-only;
+    ``max_tokens`` None means the job's default)."""
 
     line: int  # 1-based line number in the file
     custom_id: str
     prompt: str | tuple[int, ...] | None  # text, or token ids (as OpenAI's completions API accepts)
     messages: tuple[dict[str, str], ...] | None
-    max_tokens: int | None = None  # None -> the caller's default
-    temperature: float = 0.0  # 0.0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means off
-    min_p: float = 0.0  # vLLM's: keep tokens at least this share of the most likely one's probability; 0 off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()  # generation stops when the output text contains one of these
     api: str = "simple"  # the line's form: "simple", or the Batch API's "chat" / "completions"
     model: str | None = None  # the Batch API body's "model" (echoed in the output)
-    presence_penalty: float = 0.0  # OpenAI: minus this once for each token already generated
-    frequency_penalty: float = 0.0  # OpenAI: minus this times how often a token was generated
-    repetition_penalty: float = 1.0  # vLLM/HF, over prompt + generated tokens; 1.0 means off
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
-    min_tokens: int = 0  # EOS (and stop strings) held off until this many tokens were generated
-    logprobs: int | None = None  # None: not asked; N >= 0: each token's logprob and its N most likely
-    n: int = 1  # completions (choices) asked for this prompt
     echo: bool = False  # /v1/completions: the prompt comes back before the completion (and in its logprobs)
-    #: structured output: ("json_object", "") or ("json_schema", the schema as compact JSON, key order kept); None: text
-    response_format: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -314,7 +303,7 @@ def _check_response_format(value: object, field: str) -> tuple[str, str] | None:
     """OpenAI's response_format -> None (text), ("json_object", "") or ("json_schema", the schema
     as compact JSON, its keys in the request's order: the order of `properties` is the order
     the output's keys are generated in). Only the shape is checked here: whether the schema can
-    be enforced is checked when the job starts (moecc_runtime.structured.GrammarCompiler.check)."""
+    be enforced is checked when the job reads it (moecc_runtime.structured.Grammars.check)."""
     if value is None:
         return None
     accepted = ", ".join(f'"{t}"' for t in RESPONSE_FORMAT_TYPES)

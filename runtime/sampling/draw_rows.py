@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from moecc_runtime import native
+from moecc_runtime.sampling.params import SamplingParams
 from moecc_runtime.syncs import to_device
 
 #: candidates per row of each tier; a row goes to the next tier only when this one cannot settle it
@@ -41,9 +42,10 @@ class DrawParams:
     min_p: list[float]  # 0.0: off
 
     @classmethod
-    def of(cls, params: Sequence[object]) -> "DrawParams":
-        return cls([float(p.temperature) for p in params], [int(p.top_k) for p in params],  # type: ignore[attr-defined]
-                   [float(p.top_p) for p in params], [float(getattr(p, "min_p", 0.0)) for p in params])  # type: ignore[attr-defined]
+    def of(cls, params: Sequence[SamplingParams]) -> "DrawParams":
+        """The draw's columns of the rows' SamplingParams, in row order."""
+        return cls([float(p.temperature) for p in params], [int(p.top_k) for p in params],
+                   [float(p.top_p) for p in params], [float(p.min_p) for p in params])
 
 
 @dataclass

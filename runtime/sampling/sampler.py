@@ -9,8 +9,9 @@ In this order, each one op (or a few) over all the rows that need it:
      the grammar wins over the reshaping;
   4. greedy rows (temperature 0): argmax; the others drawn (draw_rows.py) from one uniform of
      their own request's stream each.
-The tokens come back to the host in one copy (`sample`), the only host read of a step's
-sampling (syncs.py, site "sample"). Index and parameter tensors go to the device through
+Each row's parameters are its request's SamplingParams (params.py). The tokens come back to
+the host in one copy (`choose`; with the logprobs of the rows that asked: logprobs.py), the
+only host read of a step's sampling (syncs.py, site "sample"). Index and parameter tensors go to the device through
 `syncs.to_device`, which never waits for it.
 
 Legend: S = rows choosing a token this step, R = rows of one kind, V = vocabulary.
@@ -18,23 +19,15 @@ Legend: S = rows choosing a token this step, R = rows of one kind, V = vocabular
 
 from __future__ import annotations
 
-from typing import Collection, Protocol, Sequence
+from typing import Collection, Sequence
 
 import torch
 
 from moecc_runtime.sampling.draw_rows import DrawParams, draw, workspace
+from moecc_runtime.sampling.params import SamplingParams
 from moecc_runtime.sampling.penalties import adjust_rows, is_neutral
 from moecc_runtime.sampling.random import uniforms
 from moecc_runtime.syncs import to_device, to_list
-
-
-class SamplingParams(Protocol):
-    """What the sampler reads of a request (scheduler.sequence.GenRequest has these; min_p
-    and the penalties are read where present)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
 
 
 class SamplingError(ValueError):
@@ -127,7 +120,7 @@ def _masked(logits: torch.Tensor, masks: Masks | None) -> torch.Tensor:
     return x
 
 
-def _reshaped(x: torch.Tensor, shaped: list[int], params: list[object], tokens: list[Sequence[int]],
+def _reshaped(x: torch.Tensor, shaped: list[int], params: list[SamplingParams], tokens: list[Sequence[int]],
               prompt_lens: list[int], eos: Collection[int]) -> torch.Tensor:
     """The `shaped` rows of x [S, V], reshaped (penalties.adjust_rows) -> [R, V] float32; a
     row left with no finite token keeps its masked logits (the grammar wins)."""

@@ -1,5 +1,6 @@
-"""Requests as the scheduler sees them: what is asked (`GenRequest`), the state of one in
-flight (`Sequence`) and what comes back (`GenResult`)."""
+"""Requests as the scheduler sees them: what is asked (`GenRequest`: a prompt's tokens and its
+sampling/params.SamplingParams), the state of one in flight (`Sequence`) and what comes back
+(`GenResult`)."""
 
 from __future__ import annotations
 
@@ -8,32 +9,23 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.sampling.logprobs import LogprobEntry
+from moecc_runtime.sampling.params import SamplingParams
 
-@dataclass
-class GenRequest:
+
+@dataclass(frozen=True, init=False)
+class GenRequest(SamplingParams):
+    """A request as the scheduler runs it: its key (custom_id), its prompt's token ids and its
+    SamplingParams, max_tokens resolved (the tokens it may generate: an int, never None).
+    Built as GenRequest(key, prompt_ids, max_tokens, **sampling parameters); frozen."""
+
     key: str  # custom_id
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()  # stop strings (checked by generate's stop_check)
-    presence_penalty: float = 0.0  # these five: see sampling.adjust_logits
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0  # no EOS and no stop string before this many generated tokens
-    logprobs: int | None = None  # None: not asked; N >= 0: each token's logprob and its N most likely
-    n: int = 1  # completions (choices) of this prompt: they share its KV blocks
-    #: structured output: ("json_object", "") or ("json_schema", the schema as canonical JSON); None: free text
-    response_format: tuple[str, str] | None = None
-    prompt_logprobs: int | None = None  # N >= 0: each prompt token's logprob and its N most likely (echo)
-    min_p: float = 0.0  # keep tokens with at least this share of the best one's probability (sampling/draw_rows.py)
 
-
-#: one generated token's logprob entry: (its logprob, [(token id, logprob), ...] the top N, best first)
-LogprobEntry = tuple[float, list[tuple[int, float]]]
+    def __init__(self, key: str, prompt_ids: list[int], max_tokens: int, **params: Any) -> None:
+        super().__init__(max_tokens=max_tokens, **params)
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "prompt_ids", prompt_ids)
 
 
 @dataclass
