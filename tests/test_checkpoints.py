@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from moecc.frontend.families import family as family_of
 from moecc.testing import checkpoints as ck
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -77,10 +78,10 @@ def test_round_trip(tmp_path: Path, family: str, layout: str) -> None:
 
     keys = _safetensors_keys(out / "model.safetensors")
     cfg = reference.config
-    experts = cfg.n_routed_experts if family.startswith("deepseek") else (
-        cfg.num_local_experts if family == "mixtral" else cfg.num_experts)
-    inter = cfg.intermediate_size if family in ("mixtral", "olmoe", "gpt_oss") else cfg.moe_intermediate_size
-    moe = 1 if family.startswith("deepseek") else 0  # DeepSeek: first_k_dense_replace=1, layer 0 dense
+    fam = family_of(family)  # the family's config fields (moecc/frontend/families/)
+    experts = getattr(cfg, fam.experts)
+    inter = cfg.moe_intermediate_size if "moe_intermediate_size" in fam.required else cfg.intermediate_size
+    moe = fam.tiny.get("first_k_dense_replace", 0)  # DeepSeek: layer 0 dense
     if family == "gpt_oss":  # one layout either way: transposed, gate/up interleaved, with biases
         assert keys["model.layers.0.mlp.experts.gate_up_proj"] == [experts, cfg.hidden_size, 2 * inter]
         assert keys["model.layers.0.mlp.experts.gate_up_proj_bias"] == [experts, 2 * inter]
@@ -213,6 +214,7 @@ def test_tiny_config_defaults_and_overrides() -> None:
         ck.write_checkpoint("/nonexistent", layout="sharded")
 
 
+@pytest.mark.slow
 def test_cli_writes_loadable_directory(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     result = subprocess.run(

@@ -20,7 +20,8 @@ import pytest
 
 from moecc.compiler import compile_model
 from moecc.errors import CheckpointError, ConfigError, MoeccError
-from moecc.testing.checkpoints import FAMILY_CLASSES, tiny_config
+from moecc.frontend.families import FAMILIES
+from moecc.testing.checkpoints import tiny_config
 
 _UNSET = object()  # a case that removes the field
 
@@ -29,10 +30,10 @@ _UNSET = object()  # a case that removes the field
 def base_configs() -> dict[str, dict[str, Any]]:
     """family -> a tiny, valid config.json as a dict (as save_pretrained writes it)."""
     out = {}
-    for family in ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"):
-        cfg = tiny_config(family)
-        cfg.architectures = [FAMILY_CLASSES[family][1].__name__]
-        out[family] = json.loads(cfg.to_json_string())
+    for fam in FAMILIES:
+        cfg = tiny_config(fam.model_type)
+        cfg.architectures = [fam.architecture]
+        out[fam.model_type] = json.loads(cfg.to_json_string())
     return out
 
 
@@ -206,6 +207,7 @@ def test_what_transformers_refuses_names_config_json(tmp_path, base_configs, cha
     assert str(err).startswith(f"{d}/config.json: transformers cannot read it: ") and fragment in str(err)
 
 
+@pytest.mark.slow
 def test_cli_compile_prints_the_error_without_traceback(tmp_path, base_configs):
     """The real entry point in a subprocess: exit status 1, one `error:` line, no traceback."""
     d = _write(tmp_path / "ckpt", _with(base_configs["mixtral"], num_experts_per_tok=9))

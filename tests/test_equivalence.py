@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from moecc.compiler import compile_model
+from moecc.frontend.families import FAMILIES
 from moecc_runtime.engine import Engine, generate
 from moecc_runtime.scheduler.sequence import GenRequest
 
 NEW_TOKENS = 10
-CASES = [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen3_moe", "per_expert"), ("qwen3_moe", "fused"),
-         ("qwen2_moe", "per_expert"), ("qwen2_moe", "fused"), ("olmoe", "per_expert"), ("olmoe", "fused"),
-         ("deepseek_v2", "per_expert"), ("deepseek_v2", "fused"), ("deepseek_v3", "per_expert"),
-         ("deepseek_v3", "fused"), ("gpt_oss", "per_expert")]  # gpt-oss publishes fused tensors only
+# every family in each layout its family file tests (moecc/frontend/families/; gpt-oss: one)
+CASES = [pytest.param(f.model_type, layout, marks=() if i == 0 else pytest.mark.slow)  # fast tier: one each
+         for f in FAMILIES for i, layout in enumerate(f.layouts)]
 
 
 def _prompts(n: int = 18) -> list[str]:
@@ -87,6 +87,7 @@ def test_greedy_matches_transformers(family, layout, checkpoints, hf_models):
     assert worst < 1e-4, f"max logit difference {worst}"
 
 
+@pytest.mark.slow
 def test_matches_transformers_padded_batch(checkpoints, hf_models):
     """The same 16 prompts through HF's own batched (left-padded) generate."""
     path = checkpoints("mixtral", "per_expert")
@@ -104,6 +105,7 @@ def test_matches_transformers_padded_batch(checkpoints, hf_models):
         assert got[r.key].token_ids == ref[i], f"prompt {i}"
 
 
+@pytest.mark.slow
 def test_stops_at_eos_like_transformers(checkpoints, hf_models):
     """A sequence stops at EOS (the EOS token is returned) exactly where generate stops."""
     path = checkpoints("mixtral", "per_expert")
@@ -138,11 +140,12 @@ def test_seeded_sampling_is_reproducible(checkpoints):
     alone = _run_moecc(plan, path, [sampled])["s"].token_ids
     mixed = _run_moecc(plan, path, others[:3] + [sampled] + others[3:])["s"].token_ids
     again = _run_moecc(plan, path, [sampled])["s"].token_ids
-    other_seed = _run_moecc(plan, path, [GenRequest("s", sampled.prompt_ids, 12, 0.9, 0.9, 40, seed=12)])
+    other_seed = _run_moecc(plan, path, [GenRequest("s", sampled.prompt_ids, 12, temperature=0.9, top_p=0.9, top_k=40, seed=12)])
     assert alone == mixed == again
     assert other_seed["s"].token_ids != alone
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint(checkpoints, hf_models, tmp_path):
     """A checkpoint split into shards with model.safetensors.index.json runs identically."""
     import shutil
@@ -164,6 +167,7 @@ def test_sharded_checkpoint(checkpoints, hf_models, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.slow
 def test_bf16_greedy_matches_transformers_eager_experts(family, tmp_path):
     """In bf16, moecc is token-identical to transformers with its eager expert loop (its
     default grouped_mm kernel rounds differently), with attention over gathered KV as SDPA
@@ -187,6 +191,7 @@ def test_bf16_greedy_matches_transformers_eager_experts(family, tmp_path):
         assert torch.equal(got[r.key].logits[0], ref_logits[0])
 
 
+@pytest.mark.slow
 def test_sliding_window_attention(tmp_path, hf_models):
     """Mixtral with a sliding window shorter than the prompts: same tokens as transformers."""
     from moecc.testing.checkpoints import write_checkpoint

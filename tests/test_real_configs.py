@@ -10,16 +10,18 @@ from pathlib import Path
 import pytest
 
 from moecc.compiler import compile_model
+from moecc.frontend.families import FAMILIES
 from moecc.sizes import parse_size
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
-# published total parameters (model cards), weights counted in the config's bf16
-# (mixtral-8x22b: tests/test_frontend.py; deepseek-v3, 671B: tests/test_deepseek_plan.py)
-PUBLISHED = {"mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235e9, "olmoe-1b-7b": 6.9e9,
-             "deepseek-v2-lite": 15.7e9, "deepseek-v2": 236e9, "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9}
+# published total parameters (model cards), weights counted in the config's bf16: each family
+# file's `published` (moecc/frontend/families/; mixtral-8x22b: tests/test_frontend.py;
+# deepseek-v3, 671B: tests/test_deepseek_plan.py)
+PUBLISHED = {name: params for f in FAMILIES for name, params in f.published.items()}
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", [n if n == "olmoe-1b-7b" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(PUBLISHED)])  # fast tier: the smallest
 def test_real_config_compiles_and_counts_match(name):
     cfg = json.loads((CONFIGS / name / "config.json").read_text())
     host = parse_size("1TB")
@@ -38,7 +40,7 @@ def test_real_config_compiles_and_counts_match(name):
     assert plan["model"]["fingerprint"]["weight_files"] == {}  # config only: for planning, exec refuses it
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
+@pytest.mark.parametrize("name", ["gpt-oss-20b", pytest.param("gpt-oss-120b", marks=pytest.mark.slow)])
 def test_gpt_oss_layers_alternate_sliding_and_full_attention(name):
     """layer_types decides each layer's window (128 on sliding layers, none on full ones);
     every attention carries its sinks and every router its bias."""

@@ -20,15 +20,13 @@ import torch
 from moecc.errors import CheckpointError, UnsupportedModelError
 from moecc.frontend.checkpoint import Checkpoint, read_json_object
 from moecc.frontend.config_checks import _check_positive, _check_token_id, _show, check_config, check_raw_config
+from moecc.frontend.families import FAMILIES
 from moecc.frontend.quantization import _QUANT, QUANT_METHODS, Quantization, quantization  # noqa: F401 (re-exported)
 from moecc.ir.graph import FLOAT_DTYPES, ModelInfo
 
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                           "OlmoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
-_ARCH_BY_MODEL_TYPE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                       "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                       "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                       "gpt_oss": "GptOssForCausalLM"}
+# the families moecc reads: moecc/frontend/families/
+SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES)
+_ARCH_BY_MODEL_TYPE = {f.model_type: f.architecture for f in FAMILIES}
 _STATIC_ROPE = ("default", "linear", "yarn", "llama3")
 
 
@@ -87,7 +85,7 @@ def load_config(ckpt: Checkpoint):
 
 def _check_activation(path: str, config: Any) -> None:
     """The MLPs' activation is one the runtime's kernels implement."""
-    from moecc_runtime.worker.kernels import ACTIVATIONS
+    from moecc_runtime.contract.activations import ACTIVATIONS
 
     act = getattr(config, "hidden_act", None)
     if not isinstance(act, str) or act not in ACTIVATIONS:

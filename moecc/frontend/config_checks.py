@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from moecc.errors import ConfigError
+from moecc.frontend.families import Family, family
 
-# -- the fields moecc reads, per family ----------------------------------------------------
-#: integer field -> the least value it may take
+# -- the fields moecc reads (which ones, per family: moecc/frontend/families/) -------------
+#: integer field -> the least value it may take (a family's `minima` adds its own)
 _INT_MIN: dict[str, int] = {
     "num_hidden_layers": 1, "hidden_size": 1, "vocab_size": 1, "num_attention_heads": 1,
     "num_key_value_heads": 1, "head_dim": 1, "intermediate_size": 1, "moe_intermediate_size": 1,
@@ -27,39 +27,9 @@ _INT_MIN: dict[str, int] = {
 }
 _COMMON = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "max_position_embeddings",
            "num_experts_per_tok")
-_MLA = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-@dataclass(frozen=True)
-class _Family:
-    """What one family reads from its config: `experts` counts the routed experts,
-    `required` integers must be present (transformers' default counts) and never null,
-    `optional` ones may be null; `mla`: latent attention (no head_dim of its own);
-    `groups`: when n_group/topk_group limit routing ("always", a topk_method, or "")."""
-
-    experts: str
-    required: tuple[str, ...]
-    optional: tuple[str, ...] = ("num_key_value_heads", "head_dim")
-    mla: bool = False
-    groups: str = ""
-
-
-_DEEPSEEK = ("moe_intermediate_size", "intermediate_size", "n_shared_experts", "first_k_dense_replace", *_MLA)
-_FAMILIES: dict[str, _Family] = {
-    "mixtral": _Family("num_local_experts", ("intermediate_size",),
-                       ("num_key_value_heads", "head_dim", "sliding_window")),
-    "qwen3_moe": _Family("num_experts", ("moe_intermediate_size", "intermediate_size", "decoder_sparse_step")),
-    "qwen2_moe": _Family("num_experts", ("moe_intermediate_size", "intermediate_size",
-                                         "shared_expert_intermediate_size", "decoder_sparse_step")),
-    "olmoe": _Family("num_experts", ("intermediate_size",)),
-    "deepseek_v2": _Family("n_routed_experts", _DEEPSEEK, ("num_key_value_heads", "q_lora_rank", "n_group",
-                                                            "topk_group"), mla=True, groups="group_limited_greedy"),
-    "deepseek_v3": _Family("n_routed_experts", (*_DEEPSEEK, "n_group", "topk_group"),
-                           ("num_key_value_heads", "q_lora_rank"), mla=True, groups="always"),
-    "gpt_oss": _Family("num_local_experts", ("intermediate_size",),
-                       ("num_key_value_heads", "head_dim", "sliding_window")),
-}
 _KIND = {bool: "a boolean", str: "a string", float: "a floating-point number", list: "a list", dict: "an object"}
 
 
@@ -113,16 +83,16 @@ def _check_token_id(path: str, name: str, v: Any, vocab: int | None) -> None:
             raise ConfigError(path, name, f"is {_show(v)}; a token id must be {bound}")
 
 
-def _family(raw: dict) -> _Family | None:
-    model_type = raw.get("model_type")
-    return _FAMILIES.get(model_type) if isinstance(model_type, str) else None
+def _least(fam: Family, name: str) -> int:
+    """The least value of integer field `name`: the family's own (`minima`), else the common table's."""
+    return fam.minima[name] if name in fam.minima else _INT_MIN[name]
 
 
 def check_raw_config(path: str, raw: dict) -> None:
     """needs: config.json as parsed (`path` names it in messages). does: check the type and
     range of every field moecc reads that the file sets, before transformers parses it (whose
     own checks raise raw exceptions). guarantees: ConfigError naming the first bad field."""
-    fam = _family(raw)
+    fam = family(raw.get("model_type"))
     if raw.get("model_type") is not None and not isinstance(raw["model_type"], str):
         raise ConfigError(path, "model_type", f"is {_show(raw['model_type'])}; it must be a string such as "
                                               f"\"mixtral\"")
@@ -134,7 +104,7 @@ def check_raw_config(path: str, raw: dict) -> None:
         return
     for name in (*_COMMON, fam.experts, *fam.required, *fam.optional):
         if name in raw:
-            _check_int(path, name, raw[name], _INT_MIN[name], nullable=name in fam.optional)
+            _check_int(path, name, raw[name], _least(fam, name), nullable=name in fam.optional)
     rotary = "qk_rope_head_dim" if fam.mla else "head_dim"
     if _is_int(raw.get(rotary)):
         _check_rotary(path, rotary, raw[rotary])
@@ -165,14 +135,14 @@ def check_config(path: str, config: Any) -> None:
     does: check every integer field moecc reads (present, an integer, in range) and how
     fields relate (heads, head width, experts per token, expert groups, token ids).
     guarantees: ConfigError naming the first bad field; nothing else raises."""
-    fam = _FAMILIES.get(config.model_type)
+    fam = family(config.model_type)
     if fam is None:
         return
     get: Callable[[str], Any] = lambda name: getattr(config, name, None)  # noqa: E731
     for name in (*_COMMON, fam.experts, *fam.required):
-        _check_int(path, name, get(name), _INT_MIN[name], nullable=False)
+        _check_int(path, name, get(name), _least(fam, name), nullable=False)
     for name in fam.optional:
-        _check_int(path, name, get(name), _INT_MIN[name], nullable=True)
+        _check_int(path, name, get(name), _least(fam, name), nullable=True)
     _check_positive(path, "rms_norm_eps", get("rms_norm_eps"))
     _check_heads(path, get, fam)
     _check_top_k(path, get, fam)
@@ -182,7 +152,7 @@ def check_config(path: str, config: Any) -> None:
         _check_token_id(path, name, get(name), get("vocab_size"))
 
 
-def _check_heads(path: str, get: Callable[[str], Any], fam: _Family) -> None:
+def _check_heads(path: str, get: Callable[[str], Any], fam: Family) -> None:
     """Key-value heads divide query heads; the head width is known and even (rotary pairs)."""
     heads, kv = get("num_attention_heads"), get("num_key_value_heads") or get("num_attention_heads")
     if heads % kv:
@@ -206,20 +176,20 @@ def _check_rotary(path: str, name: str, width: int) -> None:
         raise ConfigError(path, name, f"gives a rotary width of {width}; rotary embeddings need an even width")
 
 
-def _check_top_k(path: str, get: Callable[[str], Any], fam: _Family) -> None:
+def _check_top_k(path: str, get: Callable[[str], Any], fam: Family) -> None:
     k, n = get("num_experts_per_tok"), get(fam.experts)
     if k > n:
         raise ConfigError(path, "num_experts_per_tok", f"is {k} but the model has {n} experts ({fam.experts}); "
                                                        f"it must be between 1 and {n}")
 
 
-def _check_groups(path: str, get: Callable[[str], Any], fam: _Family) -> None:
+def _check_groups(path: str, get: Callable[[str], Any], fam: Family) -> None:
     """DeepSeek's group-limited routing: the experts split into n_group equal groups (of at
     least two with V3's sigmoid scores, which sum each group's best two), topk_group of them
     compete, and they hold at least num_experts_per_tok experts."""
     n, k = get(fam.experts), get("num_experts_per_tok")
     for name in ("n_group", "topk_group"):
-        _check_int(path, name, get(name), _INT_MIN[name], nullable=False)
+        _check_int(path, name, get(name), _least(fam, name), nullable=False)
     groups, top = get("n_group"), get("topk_group")
     if n % groups:
         raise ConfigError(path, "n_group", f"is {groups} but the {n} experts ({fam.experts}) do not split into "

@@ -21,6 +21,7 @@ import torch.fx
 from torch import nn
 
 from moecc.errors import FrontendError, UnsupportedModelError
+from moecc.frontend.families import family
 from moecc.frontend.roles import classify, norm_eps
 from moecc.frontend.weights import WeightResolver
 from moecc.ir.graph import Graph, ModelInfo, Node
@@ -254,8 +255,7 @@ def _lower_mla(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torc
                              "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": vd,
                              "head_dim": rope, "num_kv_heads": 1, "scaling": float(mod.scaling),
                              # V2 rotates complex pairs (x0, x1), (x2, x3)...: V3's rope_interleave
-                             "layer_index": idx, "rope_interleave": bool(getattr(mod.config, "rope_interleave",
-                                                                                  info.model_type == "deepseek_v2")),
+                             "layer_index": idx, "rope_interleave": _rope_interleave(mod, info),
                              "norm_eps": norm_eps(mod.kv_a_layernorm),
                              # absorbed decode: scores over latent + rope key, values in the latent
                              "flops_per_ctx_token": 2 * nh * (kl + rope) + 2 * nh * kl}
@@ -264,6 +264,13 @@ def _lower_mla(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torc
     g.add(Node(name, "attention", [tensor_input(hidden, n), "rope"], role="attention", layer=idx,
                shape=("T", H), weights=w, attrs=attrs, flops_per_token=flops, source=path))
     return _Ref("tuple", name)
+
+
+def _rope_interleave(mod: nn.Module, info: ModelInfo) -> bool:
+    """MLA's rotary pairing: config's rope_interleave, else the family's default
+    (moecc/frontend/families/: DeepSeek-V2 rotates complex pairs)."""
+    fam = family(info.model_type)
+    return bool(getattr(mod.config, "rope_interleave", fam is not None and fam.rope_interleave))
 
 
 def _lower_attention(g: Graph, idx: int, name: str, path: str, mod: nn.Module, n: torch.fx.Node,

@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 from moecc.errors import ConfigError, UnsupportedModelError
 from moecc.frontend.checkpoint import Checkpoint
+from moecc_runtime.contract.formats import MXFP4_GROUP
 from moecc.frontend.config_checks import _is_int, _show
+from moecc.frontend.families import FAMILIES
 from moecc.frontend.quant_schemes import (LinearScheme, awq_scheme, ct_match, ct_rank, ct_schemes, fnmatch_module,
                                           gptq_scheme, nvfp4_scheme)
 
@@ -115,7 +117,7 @@ def _mxfp4_scheme(path: str, q: dict) -> Quantization:
     flag = q.get("dequantize", False)
     if not isinstance(flag, bool):
         raise ConfigError(path, f"{_QUANT}.dequantize", f"is {_show(flag)}; it must be true or false")
-    return Quantization("mxfp4", "mxfp4", "uint8", (1, 32), _skip_list(path, q))
+    return Quantization("mxfp4", "mxfp4", "uint8", (1, MXFP4_GROUP), _skip_list(path, q))
 
 
 def _gptq(path: str, q: dict) -> Quantization:
@@ -150,8 +152,11 @@ QUANT_METHODS: dict[str, Callable[[str, dict], Quantization]] = {
     "compressed-tensors": _compressed_tensors,
     "modelopt": _nvfp4,
 }
-#: quant_method -> the model types whose checkpoints publish it (absent: any family)
-QUANT_FAMILIES: dict[str, tuple[str, ...]] = {"mxfp4": ("gpt_oss",)}
+#: quant_method -> the model types whose checkpoints publish it (absent: any family), from each
+#: family's `quant_methods` (moecc/frontend/families/)
+QUANT_FAMILIES: dict[str, tuple[str, ...]] = {
+    m: tuple(f.model_type for f in FAMILIES if m in f.quant_methods)
+    for m in dict.fromkeys(m for f in FAMILIES for m in f.quant_methods)}
 _QUANT_HELP = ("fp8: fine-grained FP8, e4m3 with weight_block_size, as DeepSeek-V3/R1 and the Qwen3 FP8 releases "
                "publish it; mxfp4: gpt-oss's MXFP4 experts, as gpt-oss-20b/120b publish them; gptq: 4/8-bit GPTQ "
                "(v1 or v2 files); awq: AutoAWQ gemm; compressed-tensors: pack-quantized int4/int8, naive-quantized "

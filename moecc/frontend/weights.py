@@ -37,13 +37,10 @@ from __future__ import annotations
 from moecc.errors import CheckpointError, UnsupportedModelError
 from moecc.frontend import quant_linear
 from moecc.frontend.checkpoint import Checkpoint
+from moecc.frontend.families import family
 from moecc.frontend.quantization import Quantization
 from moecc.ir import WeightRef
 
-# (module path fragment in transformers 5, fragment in published checkpoints)
-_PATH_ALIASES: dict[str, list[tuple[str, str]]] = {
-    "mixtral": [(".mlp.", ".block_sparse_moe.")],
-}
 # per-expert tensor names: (gate, up, down)
 _PER_EXPERT_NAMES = [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")]
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
@@ -88,7 +85,8 @@ class WeightResolver:
 
     def __init__(self, ckpt: Checkpoint, model_type: str, default_dtype: str, quant: Quantization | None = None):
         self.ckpt = ckpt
-        self.aliases = _PATH_ALIASES.get(model_type, [])
+        fam = family(model_type)  # (module path fragment in transformers 5, fragment in published checkpoints)
+        self.aliases = list(fam.path_aliases) if fam is not None else []
         self.dtype = default_dtype
         self.quant = quant
 

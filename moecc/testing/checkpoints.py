@@ -7,7 +7,7 @@ same arguments twice produces byte-identical files.
 
 Command line::
 
-    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|qwen2_moe|olmoe|deepseek_v2|deepseek_v3|gpt_oss]
+    python -m moecc.testing.checkpoints OUT_DIR [--family mixtral|qwen3_moe|...]  (moecc/frontend/families/)
         [--layout per_expert|fused] [--seed N] [--dtype float32] [--keep-fp32 NAME ...]
         [--preset demo] [--set key=value ...]
 """
@@ -27,7 +27,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
+
+from moecc.frontend.families import FAMILIES as REGISTRY, family as family_of, names
 
 __all__ = [
     "DTYPES",
@@ -43,8 +46,7 @@ __all__ = [
     "main",
 ]
 
-FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                             "gpt_oss")  # FAMILY_CLASSES keys
+FAMILIES: tuple[str, ...] = names()  # the registry's: moecc/frontend/families/
 LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -70,141 +72,6 @@ CHAT_TEMPLATE = (
 )
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
-
-_TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "mixtral": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.1,
-        "tie_word_embeddings": False,
-    },
-    "qwen3_moe": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "moe_intermediate_size": 48,
-        "num_hidden_layers": 3,
-        "mlp_only_layers": [1],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.1,
-        "tie_word_embeddings": False,
-    },
-    # a shared expert gated by a sigmoid, q/k/v biases, top-k weights not renormalised
-    "qwen2_moe": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "moe_intermediate_size": 48,
-        "shared_expert_intermediate_size": 80,
-        "num_hidden_layers": 3,
-        "mlp_only_layers": [1],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": False,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.1,
-        "tie_word_embeddings": False,
-    },
-    # q/k RMS norms over the whole projection (not per head), q/k/v clipping
-    "olmoe": {
-        "hidden_size": 64,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": False,
-        "clip_qkv": 0.5,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.1,
-        "tie_word_embeddings": False,
-    },
-    # MLA with a full-rank q (as V2-Lite), complex-pair rope, softmax routing limited to the top
-    # groups, scaled and not renormalised, a shared expert, a dense first layer
-    "deepseek_v2": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 3,
-        "first_k_dense_replace": 1,
-        "n_routed_experts": 8,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 2,
-        "topk_method": "group_limited_greedy",
-        "n_group": 4,
-        "topk_group": 2,
-        "routed_scaling_factor": 1.5,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": None,
-        "kv_lora_rank": 16,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.1,
-        "tie_word_embeddings": False,
-    },
-    # multi-head latent attention (q and kv low rank, interleaved rope), a dense first layer,
-    # group-limited sigmoid routing with a shared expert
-    "deepseek_v3": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 3,
-        "first_k_dense_replace": 1,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 4,
-        "topk_group": 2,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 16,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.1,
-        "tie_word_embeddings": False,
-    },
-    # attention sinks, sliding (window 8, shorter than most test prompts) and full layers,
-    # biases in attention, router and experts, a SwiGLU clamp low enough to bite, YaRN rope
-    "gpt_oss": {
-        "hidden_size": 64,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "sliding_window": 8,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-        "swiglu_limit": 1.0,
-        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                            "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0},
-        "max_position_embeddings": 512,
-        "initializer_range": 0.1,
-        "tie_word_embeddings": False,
-    },
-}
 
 #: Named presets for the command line: ``name -> (family, config overrides)``.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -262,15 +129,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 _LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling"})
 
 
-#: family -> (config class, model class), the transformers classes a family is written with
+#: family -> (config class, model class), the transformers classes a family is written with: its
+#: config class by model_type, its model class by the architecture its family file names
 FAMILY_CLASSES: dict[str, tuple[type[transformers.PretrainedConfig], type[transformers.PreTrainedModel]]] = {
-    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
-    "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
-    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
-    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+    f.model_type: (CONFIG_MAPPING[f.model_type], getattr(transformers, f.architecture)) for f in REGISTRY
 }
 
 
@@ -346,8 +208,11 @@ def build_tokenizer(
 def tiny_config(
     family: str, *, vocab_size: int = 384, **overrides: Any
 ) -> transformers.PretrainedConfig:
-    """A tiny config for `family` (MixtralConfig / Qwen3MoeConfig) with bos/eos/pad ids matching the tokenizer."""
+    """A tiny config for `family` (its family file's `tiny`, then `overrides`) with bos/eos/pad ids
+    matching the tokenizer."""
     config_cls = _config_class(family)
+    fam = family_of(family)
+    assert fam is not None  # _config_class refused an unknown family
     known = (
         set(inspect.signature(config_cls.__init__).parameters)
         | set(vars(config_cls()))
@@ -357,7 +222,7 @@ def tiny_config(
     if unknown:
         raise ValueError(f"unknown {config_cls.__name__} field(s): {', '.join(unknown)}")
     kwargs: dict[str, Any] = {
-        **_TINY_CONFIGS[family],
+        **fam.tiny,
         "vocab_size": vocab_size,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
