@@ -21,12 +21,15 @@ packages = find_packages(include=["moecc", "moecc.*"]) + [
 # ctypes. Optional: without a compiler the install still succeeds and the runtime falls back to
 # attention over gathered KV (`moecc_runtime.native.available()` says which).
 # The sampler's host pass (runtime/native/sample_rows.c) is built the same way; both include
-# runtime/native/vec8.h and cpu.h.
+# runtime/native/vec8.h and cpu.h. The attention kernel's AVX2 and AVX-512 builds (attend_isa.h
+# over vec8.h / vec16.h) come from function target attributes, not compiler flags, so one compile
+# serves any x86-64 CPU (the kernel picks a build at run time) and a compiler without AVX-512
+# support still builds the rest.
 def native(name: str) -> Extension:
     return Extension(
         f"{RUNTIME_NAME}.native.{name}",
         sources=[f"{RUNTIME_DIR}/native/{name.lstrip('_')}.c"],
-        depends=[f"{RUNTIME_DIR}/native/vec8.h", f"{RUNTIME_DIR}/native/cpu.h"],
+        depends=[f"{RUNTIME_DIR}/native/{h}" for h in ("vec8.h", "vec16.h", "cpu.h", "attend_isa.h")],
         extra_compile_args=["-O3", "-std=c11", "-ffp-contract=fast"] if sys.platform != "win32" else ["/O2"],
         libraries=["m"] if sys.platform != "win32" else [],
         optional=True,
@@ -34,4 +37,5 @@ def native(name: str) -> Extension:
 
 
 setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
-      ext_modules=[native("_paged_attention"), native("_sample_rows")])
+      ext_modules=[native("_paged_attention"), native("_sample_rows"),
+                   native("_dequant")])  # runtime/native/dequant.c: the formats' host dequantize

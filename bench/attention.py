@@ -4,12 +4,15 @@ gather path (KV gathered into one buffer, then grouped SDPA), measured in one ru
     python bench/attention.py                          # bench768's attention shape
     python bench/attention.py --contexts 256,1024 --seqs 256
     python bench/attention.py --engine bench/out/model-bench768 --seqs 64 --contexts 256,512
+    python bench/attention.py --isas avx2,avx512 --contexts 256,1024 --json bench/results/attention-isa.json
 
 For each context length, B sequences hold that many positions in a pool whose blocks are
 handed out in a shuffled order (as a long job leaves them); one decode step of attention
 for every sequence (queries already projected) is timed both ways, medians of --repeats,
-alternating the two so drift hits both alike. The two outputs are compared. A table is
-printed and JSON written (--json). Only attention itself is timed: projections, rope and
+alternating the two so drift hits both alike. The two outputs are compared. The host kernel
+runs once per build the CPU has (baseline, AVX2, AVX-512: runtime/native/isa.py), forced in
+turn, for fp32 and bf16 pools (the gather path: fp32 only); per layer and per decode step
+(--layers of them). A table is printed and JSON written (--json). Only attention itself is timed: projections, rope and
 the KV store are the same for both paths and excluded.
 
 With --engine MODEL_DIR the whole worker runs instead: a plan compiled for the shape, B
@@ -27,13 +30,14 @@ import platform
 import time
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from moecc_runtime import native
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.worker.attention import attend_decode, kv_view
+from moecc_runtime.worker.attention_backends import Where
 from moecc_runtime.worker.batch import MicroBatch
 from moecc_runtime.worker.host_attention import host_view
 
@@ -45,14 +49,16 @@ def micro_batch(B: int, ctx: int, bs: int, num_blocks: int, gen: torch.Generator
     tables = [order[i * per:(i + 1) * per] for i in range(B)]
     items = [(i, i, ctx - 1, 1) for i in range(B)]
     last = torch.tensor([t[(ctx - 1) // bs] for t in tables])
-    return MicroBatch(0, B, items, tables, last, torch.full((B,), (ctx - 1) % bs), 0, host=True)
+    return MicroBatch(0, B, items, tables, last, torch.full((B,), (ctx - 1) % bs), Where.HOST)
 
 
-def time_paths(pool: KVPool, mb: MicroBatch, q: torch.Tensor, a: dict, repeats: int) -> dict[str, Any]:
-    """Median seconds of the gather path and of the host kernel over one micro-batch."""
+def time_paths(pool: KVPool, mb: MicroBatch, q: torch.Tensor, a: dict, repeats: int, isas: list[str]
+               ) -> dict[str, Any]:
+    """Median seconds of the host kernel's builds `isas` over one micro-batch (each forced in
+    turn, alternating so drift hits all alike) and, for an fp32 pool, of the gather path."""
     bs = pool.block_size
     out_g = torch.empty(q.shape[0], q.shape[1] * pool.v.shape[-1])
-    out_h = torch.empty(q.shape[0], q.shape[1], pool.v.shape[-1])
+    outs = {name: torch.empty(q.shape[0], q.shape[1], pool.v.shape[-1]) for name in isas}
     kview = kv_view(mb, None, bs)
     hv = host_view(mb, None, bs)
     nb = kview.blocks.numel()
@@ -63,21 +69,48 @@ def time_paths(pool: KVPool, mb: MicroBatch, q: torch.Tensor, a: dict, repeats: 
         pool.gather(0, kview.blocks, kbuf, vbuf)
         attend_decode(out_g, q, kbuf, vbuf, kview, a, None)
 
-    def host() -> None:
-        native.paged_attention(q, pool.k[0], pool.v[0], hv.rows, hv.tables, hv.table_off, hv.ctx, hv.lo,
-                               a["scaling"], out_h)
+    def host(name: str) -> Callable[[], None]:
+        def run() -> None:
+            native.use_attention_isa(name)
+            native.paged_attention(q, pool.k[0], pool.v[0], hv.rows, hv.tables, hv.table_off, hv.ctx, hv.lo,
+                                   a["scaling"], outs[name])
+        return run
 
-    tg, th = [], []
-    gather(), host()
+    paths = {name: host(name) for name in isas}
+    if pool.k.dtype == torch.float32:
+        paths["gather"] = gather
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for f in paths.values():
+        f()
     for _ in range(repeats):
-        for f, ts in ((gather, tg), (host, th)):
+        for name, f in paths.items():
             t0 = time.perf_counter()
             f()
-            ts.append(time.perf_counter() - t0)
-    diff = (out_g - out_h.view_as(out_g)).abs().max().item()
+            times[name].append(time.perf_counter() - t0)
+    ref = out_g if "gather" in paths else outs[isas[0]].view_as(out_g)
     kv_bytes = mb.r1 * (mb.items[0][2] + 1) * pool.bytes_per_token
-    return {"gather_s": median(tg), "host_s": median(th), "speedup": median(tg) / median(th),
-            "kv_bytes": kv_bytes, "host_GBps": kv_bytes / median(th) / 1e9, "max_abs_diff": diff}
+    host_s = {name: median(times[name]) for name in isas}
+    r: dict[str, Any] = {"kv_bytes": kv_bytes, "isa": {
+        name: {"host_s": host_s[name], "host_GBps": kv_bytes / host_s[name] / 1e9,
+               "max_abs_diff": (ref - outs[name].view_as(ref)).abs().max().item()} for name in isas}}
+    best = isas[-1]
+    r.update(host_isa=best, host_s=host_s[best], host_GBps=kv_bytes / host_s[best] / 1e9)
+    if "avx512" in host_s and "avx2" in host_s:
+        r["avx512_vs_avx2"] = host_s["avx2"] / host_s["avx512"]
+    if "gather" in paths:
+        r.update(gather_s=median(times["gather"]), speedup=median(times["gather"]) / host_s[best])
+    return r
+
+
+def print_row(r: dict[str, Any], layers: int) -> None:
+    """One context's line: per build, ms per layer and per decode step (x layers)."""
+    cells = "  ".join(f"{n} {v['host_s'] * 1e3:6.2f} ms/layer {v['host_s'] * layers * 1e3:7.1f} ms/step"
+                      for n, v in r["isa"].items())
+    extra = f"  avx512 vs avx2 {r['avx512_vs_avx2']:.2f}x" if "avx512_vs_avx2" in r else ""
+    if "gather_s" in r:
+        extra += f"  gather {r['gather_s'] * 1e3:6.2f} ms/layer ({r['speedup']:.2f}x slower than {r['host_isa']})"
+    worst = max(v["max_abs_diff"] for v in r["isa"].values())
+    print(f"ctx {r['context']:5d} {r['dtype']:>8}: {cells}{extra}  max|diff| {worst:.1e}")
 
 
 def engine_attention_s(model: Path, B: int, ctx: int, placement: str) -> dict[str, Any]:
@@ -140,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=96)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--isas", default="", help="the kernel's builds to compare, e.g. avx2,avx512 (default: every "
+                    "one this CPU runs)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="KV pool dtypes (the gather path: fp32 only)")
+    ap.add_argument("--layers", type=int, default=8, help="layers per decode step (bench768: 8)")
     ap.add_argument("--engine", type=Path, default=None, help="a checkpoint: time the whole worker's attention")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "attention.json")
     args = ap.parse_args(argv)
@@ -153,23 +190,30 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not native.available():
         raise SystemExit("bench/attention.py: the native kernel is not built (pip install the project)")
+    isas = args.isas.split(",") if args.isas else native.attention_isas()
+    before = native.attention_isa()
     gen = torch.Generator().manual_seed(0)
     a = {"scaling": args.head_dim ** -0.5}
     rows = []
-    for ctx in (int(c) for c in args.contexts.split(",")):
-        per = -(-ctx // args.block_size)
-        pool = KVPool(1, args.kv_heads, args.head_dim, block_size=args.block_size, num_blocks=args.seqs * per,
-                      dtype=torch.float32)
-        pool.k.normal_(generator=gen), pool.v.normal_(generator=gen)
-        mb = micro_batch(args.seqs, ctx, args.block_size, pool.num_blocks, gen)
-        q = torch.randn(args.seqs, args.heads, args.head_dim, generator=gen)
-        r = {"context": ctx, **time_paths(pool, mb, q, a, args.repeats)}
-        rows.append(r)
-        print(f"ctx {ctx:5d}: gather {r['gather_s'] * 1e3:7.2f} ms  host {r['host_s'] * 1e3:7.2f} ms  "
-              f"speedup {r['speedup']:.2f}x  host {r['host_GBps']:.1f} GB/s of KV  max|diff| {r['max_abs_diff']:.1e}")
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+    for dtype in args.dtypes.split(","):
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            per = -(-ctx // args.block_size)
+            pool = KVPool(1, args.kv_heads, args.head_dim, block_size=args.block_size, num_blocks=args.seqs * per,
+                          dtype=getattr(torch, dtype))
+            pool.k.normal_(generator=gen), pool.v.normal_(generator=gen)
+            mb = micro_batch(args.seqs, ctx, args.block_size, pool.num_blocks, gen)
+            q = torch.randn(args.seqs, args.heads, args.head_dim, generator=gen)
+            r = {"context": ctx, "dtype": dtype, **time_paths(pool, mb, q, a, args.repeats, isas)}
+            rows.append(r)
+            print_row(r, args.layers)
+    native.use_attention_isa(before)
+    result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                          "isas": native.attention_isas(), "default_isa": before},
               "shape": {"seqs": args.seqs, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                        "block_size": args.block_size, "dtype": "float32"}, "per_layer": rows}
+                        "block_size": args.block_size, "layers": args.layers},
+              "per_layer": rows,
+              "per_step_s": [{"context": r["context"], "dtype": r["dtype"],
+                              **{n: v["host_s"] * args.layers for n, v in r["isa"].items()}} for r in rows]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")

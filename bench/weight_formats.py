@@ -4,15 +4,19 @@ the CPU throughput cost of dequantizing (tok/s of each format against bf16).
 
     python bench/weight_formats.py                 # Mixtral-shaped bf16, 4 layers, 128 requests
     python bench/weight_formats.py --json out.json
+    python bench/weight_formats.py --micro         # only the dequantize of one expert weight, per format
 
 What it does:
   1. writes a bf16 Mixtral-shaped checkpoint (moecc.testing.checkpoints, --hidden/--inter,
-     8 experts top-2, 4 layers) and its fine-grained FP8 copy in DeepSeek's published layout
-     (moecc.testing.quantized.write_fp8_checkpoint, 128x128 blocks);
-  2. compiles seven plans at one --gpu-mem (the bf16 plan's stated minimum times --slack):
+     8 experts top-2, 4 layers), its fine-grained FP8 copy in DeepSeek's published layout
+     (moecc.testing.quantized.write_fp8_checkpoint, 128x128 blocks) and its copies in the
+     downloaded 4-bit layouts, every Linear but the router and head quantized as the
+     libraries publish them (moecc.testing.quantized_libs): GPTQ (4 bits, group 128), AWQ
+     (group 128), compressed-tensors W4A16 (pack-quantized, symmetric, group 16) and NVFP4;
+  2. compiles eleven plans at one --gpu-mem (the bf16 plan's stated minimum times --slack):
      bf16, int8 and int4 (`moecc compile --quantize`, experts only and --quantize-scope all),
-     fp8 (every Linear but the router and head, as published), and bf16 without a budget
-     (every weight read in place);
+     fp8, gptq, awq, ct-w4 and nvfp4 (as published), and bf16 without a budget (every weight
+     read in place);
   3. runs each plan's `moecc exec --stats` on the same prompts (short prompts, --max-tokens
      outputs: decode-heavy), and reads the copy bytes and the decode rate (tokens over seconds
      of the steps without prefill) from the per-step records;
@@ -42,16 +46,23 @@ def moecc(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moecc.cli", *args], capture_output=True, text=True)
 
 
-def build(work: Path, hidden: int, inter: int) -> tuple[Path, Path]:
+def build(work: Path, hidden: int, inter: int) -> tuple[Path, dict[str, Path]]:
+    """(the bf16 checkpoint, its published-layout copies by row name)."""
     from moecc.testing.checkpoints import write_checkpoint
     from moecc.testing.quantized import write_fp8_checkpoint
+    from moecc.testing.quantized_libs import (write_awq_checkpoint, write_ct_checkpoint, write_gptq_checkpoint,
+                                              write_nvfp4_checkpoint)
 
     bf16 = write_checkpoint(work / "bf16", "mixtral", dtype="bfloat16", hidden_size=hidden, intermediate_size=inter,
                             num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, num_attention_heads=8,
                             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=256,
                             initializer_range=0.02)
-    fp8 = write_fp8_checkpoint(bf16, work / "fp8", block=(128, 128))
-    return bf16, Path(fp8)
+    out = {"fp8": write_fp8_checkpoint(bf16, work / "fp8", block=(128, 128)),
+           "gptq": write_gptq_checkpoint(bf16, work / "gptq", bits=4, group=128, dtype="bfloat16"),
+           "awq": write_awq_checkpoint(bf16, work / "awq", group=128, dtype="bfloat16"),
+           "ct-w4": write_ct_checkpoint(bf16, work / "ct-w4", scheme="w4_group_sym", dtype="bfloat16"),
+           "nvfp4": write_nvfp4_checkpoint(bf16, work / "nvfp4", dtype="bfloat16")}
+    return bf16, {name: Path(d) for name, d in out.items()}
 
 
 def write_prompts(path: Path, n: int, max_tokens: int, seed: int = 0) -> None:
@@ -103,6 +114,57 @@ def run_one(name: str, model: Path, work: Path, prompts: Path, workload: list[st
             "B": p["batch"]["decode"]["B"]}
 
 
+def micro(R: int, C: int) -> None:
+    """Per-format dequantize of one [R, C] weight to bf16 on one thread, CPU time (time.thread_time:
+    robust on a shared machine): each format's `reference` (the whole-tensor torch code) against
+    `materialize` into a reused `out` (dequant.c when built), next to a bf16 copy of the weight."""
+    import time
+
+    import torch
+
+    from moecc.testing.quantized_libs import awq_pack, gptq_pack, nvfp4_pack
+    from moecc_runtime.formats import awq, fp8_block, gptq, int4_group, int8_channel, materialize, mxfp4, nvfp4
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    w = torch.randn(R, C) * 0.02  # [R, C]
+    gq, aw, nv, (bl, sc) = gptq_pack(w, 4, 128, True, False, True), awq_pack(w, 128), nvfp4_pack(w), mxfp4.quantize(w)
+
+    def ent(fmt: str, shape: list[int], **attrs: Any) -> dict[str, Any]:
+        return {"format": fmt, "shape": shape, "logical_shape": [R, C], "format_attrs": attrs}
+
+    cases = {"int8": (ent("int8_channel", [R, C]), int8_channel.quantize(w), int8_channel.reference),
+             "int4": (ent("int4_group", [R, C // 2], group=128), int4_group.quantize(w), int4_group.reference),
+             "fp8": (ent("fp8_block", [R, C], block=[128, 128]), dict(zip(("data", "scale"), fp8_block.quantize(w))),
+                     fp8_block.reference),
+             "gptq": (ent("gptq", [C // 8, R], bits=4, group=128, zero_offset=1),
+                      {"data": gq["qweight"], "zero": gq["qzeros"], "scale": gq["scales"]}, gptq.reference),
+             "awq": (ent("awq_gemm", [C, R // 8], group=128),
+                     {"data": aw["qweight"], "zero": aw["qzeros"], "scale": aw["scales"]}, awq.reference),
+             "nvfp4": (ent("nvfp4", [R, C // 2]), {"data": nv["weight"], "scale": nv["weight_scale"],
+                                                   "scale_2": nv["weight_scale_2"]}, nvfp4.reference),
+             "mxfp4": (ent("mxfp4", list(bl.shape)), {"data": bl, "scale": sc}, mxfp4.reference)}
+
+    def cpu_us(fn, n: int) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.thread_time()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.thread_time() - t0) / n * 1e6)
+        return best
+
+    wb = w.bfloat16()
+    dst, buf = torch.empty_like(wb), torch.empty(R * C, dtype=torch.bfloat16)
+    copy = cpu_us(lambda: dst.copy_(wb), 20)
+    print(f"[{R}, {C}] to bf16, one thread, CPU time: bf16 copy of the weight {copy:.0f} us")
+    for k, (e, st, ref) in cases.items():
+        a = cpu_us(lambda: ref(st, e, torch.bfloat16), 3)
+        b = cpu_us(lambda: materialize(e, st, torch.bfloat16, out=buf), 20)
+        print(f"{k:6s} reference {a:8.0f} us   materialize into out= {b:6.0f} us   x{a / b:5.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -111,13 +173,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--slack", type=float, default=1.1, help="--gpu-mem = bf16's stated minimum x this")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--micro", action="store_true", help="only the per-format dequantize of one expert weight "
+                                                         "[--inter, --hidden] (CPU time, one thread)")
     a = ap.parse_args()
+    if a.micro:
+        return micro(a.inter, a.hidden)
     from moecc.sizes import format_bytes
 
     workload = ["--prompt-tokens", "12", "--output-tokens", str(a.max_tokens), "--max-batch", "64"]
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        bf16, fp8 = build(work, a.hidden, a.inter)
+        bf16, published = build(work, a.hidden, a.inter)
         prompts = work / "prompts.jsonl"
         write_prompts(prompts, a.requests, a.max_tokens)
         gpu = int(stated_minimum(bf16, work, workload) * a.slack)
@@ -130,7 +196,7 @@ def main() -> None:
                                                                              "--quantize-scope", "all"]),
                 run_one("int4-all", bf16, work, prompts, workload, budget + ["--quantize", "int4",
                                                                              "--quantize-scope", "all"]),
-                run_one("fp8", fp8, work, prompts, workload, budget)]
+                *(run_one(name, d, work, prompts, workload, budget) for name, d in published.items())]
     base = rows[1]
     print(f"--gpu-mem {format_bytes(gpu)} (bf16's stated minimum x {a.slack}); {a.requests} requests x "
           f"{a.max_tokens} tokens")

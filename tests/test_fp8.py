@@ -144,8 +144,10 @@ def _assert_matches(got: dict, ref: dict, tol: float | None, first_exact: bool =
 
 
 # -- greedy output -----------------------------------------------------------------------
-@pytest.mark.parametrize("name,streamed", [("qwen", False), ("qwen", True), ("ds32", False), ("ds32", True),
-                                           ("qwen_fused", True)])
+@pytest.mark.parametrize("name,streamed", [("qwen", False), pytest.param("qwen", True, marks=pytest.mark.slow),
+                                           pytest.param("ds32", False, marks=pytest.mark.slow),
+                                           pytest.param("ds32", True, marks=pytest.mark.slow),
+                                           pytest.param("qwen_fused", True, marks=pytest.mark.slow)])
 def test_greedy_matches_transformers_on_the_dequantized_weights(fp8, hf, name, streamed):
     """bf16 (Qwen3, bf16 scales): token-identical (in place: the first step's logits
     bit-identical); fp32 compute (DeepSeek-V3, Qwen3 fused): token-identical, logits within
@@ -158,6 +160,7 @@ def test_greedy_matches_transformers_on_the_dequantized_weights(fp8, hf, name, s
     _assert_matches(_run(plan, c.path, reqs), ref, None if bf16 else 1e-4, first_exact=bf16 and not streamed)
 
 
+@pytest.mark.slow
 def test_deepseek_v3_bf16_fp8_equals_its_dequantized_bf16_checkpoint(fp8, hf):
     """DeepSeek-V3 as published (bf16 compute): the FP8 plan's tokens and every step's logits
     are bit-identical to moecc's plan of the exactly dequantized bf16 weights: dequantizing
@@ -318,6 +321,7 @@ def test_a_scale_of_the_wrong_shape_is_refused_naming_tensor_and_shapes(fp8, tmp
     assert name in msg and "[2, 2]" in msg and "[2, 3]" in msg and "[40, 64]" in msg and "weight_block_size" in msg
 
 
+@pytest.mark.slow
 def test_exec_refuses_a_plan_whose_scale_changed_in_the_header(fp8, tmp_path):
     """A scale tensor re-laid in the header (same bytes, other shape): exec refuses the plan
     (the fingerprint's header hash); with that hash forged, the manifest check of the scale
@@ -348,6 +352,7 @@ def test_exec_refuses_a_plan_whose_scale_changed_in_the_header(fp8, tmp_path):
 
 
 # -- the published configs, without weights -------------------------------------------------
+@pytest.mark.slow
 def test_deepseek_v3_fp8_config_plans_at_24gb_1tb_a5000():
     """The published DeepSeek-V3 config.json (quantization_config included) plans within
     1TB of host memory, which its bf16 weights (1.34TB) do not fit: 671B parameters, the
@@ -366,6 +371,7 @@ def test_deepseek_v3_fp8_config_plans_at_24gb_1tb_a5000():
     assert not dense & {"q_a_proj", "kv_b_proj", "o_proj", "gate_proj", "experts"}
 
 
+@pytest.mark.slow
 def test_qwen3_30b_fp8_config_counts_half_the_bf16_bytes():
     g, _ = build_graph(CONFIGS / "qwen3-30b-a3b-fp8")
     bf16, _ = build_graph(CONFIGS / "qwen3-30b-a3b")

@@ -95,7 +95,8 @@ def hf(mx):
 
 
 # -- greedy output -----------------------------------------------------------------------
-@pytest.mark.parametrize("dtype,streamed", [("bfloat16", False), ("bfloat16", True), ("float32", False)])
+@pytest.mark.parametrize("dtype,streamed", [("bfloat16", False), pytest.param("bfloat16", True, marks=pytest.mark.slow),
+                                           pytest.param("float32", False, marks=pytest.mark.slow)])
 def test_greedy_matches_transformers_on_the_dequantized_weights(mx, hf, dtype, streamed):
     """bf16 (as published): token-identical, in place the first step's logits bit-identical;
     streamed through an arena below the stored weights (experts through slots); fp32
@@ -231,6 +232,7 @@ def test_mxfp4_is_read_for_gpt_oss_only_and_gpt_oss_in_other_methods_is_refused(
 
 
 # -- the published configs, without weights -------------------------------------------------
+@pytest.mark.slow
 def test_gpt_oss_20b_mxfp4_config_plans_at_24gb_in_a_third_of_the_bf16_bytes():
     """The published gpt-oss-20b config.json (quantization_config included) plans at 24GB:
     its experts at 17/32 byte per weight, the rest bf16: about 13.8 GB (the release's
@@ -249,6 +251,7 @@ def test_gpt_oss_20b_mxfp4_config_plans_at_24gb_in_a_third_of_the_bf16_bytes():
     assert {"router", "q_proj", "o_proj", "embed_tokens", "lm_head", "experts"} <= dense  # experts: the biases
 
 
+@pytest.mark.slow
 def test_gpt_oss_120b_mxfp4_config_counts_the_release_bytes():
     """gpt-oss-120b in MXFP4: about 65 GB (the release's files) against 233 GB in bf16."""
     g, _ = build_graph(CONFIGS / "gpt-oss-120b-mxfp4")

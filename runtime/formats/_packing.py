@@ -17,6 +17,8 @@ import sys
 import torch
 
 WIDTHS = (4, 8)
+#: AutoAWQ's order: output channel k of a word's 8 -> its nibble (awq.py)
+AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def _values(words: torch.Tensor, bits: int) -> torch.Tensor:

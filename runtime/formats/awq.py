@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.formats._packing import unpack_cols
+from moecc_runtime.formats._grouped import NIBBLES, Grouped, as_bytes, run
+from moecc_runtime.formats._packing import AWQ_REVERSE, unpack_cols
 from moecc_runtime.formats.gptq import group_index
 
 NAME = "awq_gemm"
 BITS = 4
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word -> its output channel within the word's 8
-REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # output channel k of a word's 8 -> its nibble
+REVERSE = AWQ_REVERSE  # output channel k of a word's 8 -> its nibble
 
 
 def unpack(words: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,19 @@ def unpack(words: torch.Tensor) -> torch.Tensor:
     return v.unflatten(-1, (-1, 8))[..., list(REVERSE)].flatten(-2)  # [N, R]
 
 
-def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Linear weight [R, C] in `dtype` (into `out` when given): `reference`'s bits, made as
+    its [C, R] transpose (the layout as stored: a scale per output channel of each row)."""
+    group = int(entry["format_attrs"]["group"])
+    R, C = (int(d) for d in entry["logical_shape"])
+    z = unpack(stored["zero"])[:, :R].float()  # [G, R]
+    g = Grouped(as_bytes(stored["data"], C), "awq", stored["scale"], C, R, 1, group if group > 0 else max(C, 1),
+                zero=z, lut=NIBBLES)
+    return run(g, dtype, out, lambda: reference(stored, entry, dtype), transpose=True)
+
+
+def reference(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """The Linear weight [R, C] in `dtype` (computed in fp32)."""
     group = int(entry["format_attrs"]["group"])
     R, C = (int(d) for d in entry["logical_shape"])

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.formats._grouped import Grouped, as_bytes, run
+
 NAME = "ct_naive"
 
 
@@ -35,7 +37,33 @@ def _per_element(t: torch.Tensor, R: int, C: int, group: int) -> torch.Tensor:
     return t  # [R, 1]
 
 
-def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Linear weight [R, C] in `dtype` (into `out` when given): `reference`'s bits."""
+    group = int(entry.get("format_attrs", {}).get("group", 0))
+    data = stored["data"]
+    kind = {torch.int8: "int8", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(data.dtype)
+    grid = _grid(stored["scale"], *data.shape, group) if data.dim() == 2 and kind else None
+    g = None
+    if grid is not None and ("zero" not in stored or stored["zero"].shape == stored["scale"].shape):
+        R, C = data.shape
+        zero = stored["zero"].reshape(grid[0].shape) if "zero" in stored else None
+        g = Grouped(as_bytes(data, R), kind, grid[0], R, C, grid[1], grid[2], zero=zero)
+    return run(g, dtype, out, lambda: reference(stored, entry, dtype))
+
+
+def _grid(t: torch.Tensor, R: int, C: int, group: int) -> tuple[torch.Tensor, int, int] | None:
+    """A scale as (grid [SR, G], column group, row group) as _per_element reads it, or None."""
+    if t.dim() < 2 and t.numel() == 1:
+        return t.reshape(1, 1), max(C, 1), max(R, 1)  # tensor
+    if t.dim() == 2 and t.shape[0] == R and t.shape[1] == 1:
+        return t, max(C, 1), 1  # channel
+    if t.dim() == 2 and t.shape[0] == R and group > 0 and t.shape[1] == -(-C // group):
+        return t, group, 1  # group
+    return None
+
+
+def reference(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """The Linear weight [R, C] in `dtype` (computed in fp32)."""
     group = int(entry.get("format_attrs", {}).get("group", 0))
     data = stored["data"]

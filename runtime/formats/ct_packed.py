@@ -25,13 +25,32 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.formats._grouped import NIBBLES, Grouped, as_bytes, run
 from moecc_runtime.formats._packing import unpack_cols, unpack_rows
 from moecc_runtime.formats.gptq import group_index
 
 NAME = "ct_packed"
 
 
-def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Linear weight [R, C] in `dtype` (into `out` when given): `reference`'s bits (an
+    activation-ordered `g_idx`: `reference` itself)."""
+    a = entry["format_attrs"]
+    bits, group = int(a["bits"]), int(a["group"])
+    R, C = (int(d) for d in entry["logical_shape"])
+    scale = stored["scale"]
+    g = None
+    if "g_idx" not in stored and bits in (4, 8):
+        mid = float(1 << (bits - 1))
+        zero = (unpack_rows(stored["zero"], bits)[:R].float() if "zero" in stored  # [R, G]
+                else torch.full(scale.shape, mid, dtype=torch.float32, device=scale.device))
+        g = Grouped(as_bytes(stored["data"], R), "nibble" if bits == 4 else "uint8", scale, R, C,
+                    group if group > 0 else max(C, 1), zero=zero, lut=NIBBLES if bits == 4 else None)
+    return run(g, dtype, out, lambda: reference(stored, entry, dtype))
+
+
+def reference(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """The Linear weight [R, C] in `dtype` (computed in fp32)."""
     a = entry["format_attrs"]
     bits, group = int(a["bits"]), int(a["group"])

@@ -18,11 +18,27 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.formats._grouped import Grouped, as_bytes, run
+
 NAME = "fp8_block"
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
 
-def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """data [R, C] fp8 times its block's scale, in `dtype` (into `out` when given): `reference`'s bits."""
+    data, scale = stored["data"], stored["scale"]
+    a = entry.get("format_attrs", {})
+    b_r, b_c = (int(x) for x in a.get("block", (128, 128)))
+    kind = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(data.dtype)
+    g = None
+    if data.dim() == 2 and scale.dim() == 2 and kind is not None:
+        g = Grouped(as_bytes(data, data.shape[0]), kind, scale, data.shape[0], data.shape[1], b_c, b_r,
+                    int(a.get("row0", 0)))
+    return run(g, dtype, out, lambda: reference(stored, entry, dtype))
+
+
+def reference(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """data [R, C] fp8 times its block's scale, in `dtype` (computed in fp32)."""
     data, scale = stored["data"], stored["scale"]
     a = entry.get("format_attrs", {})

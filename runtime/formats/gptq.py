@@ -29,12 +29,29 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.formats._grouped import Grouped, as_bytes, run
 from moecc_runtime.formats._packing import unpack_cols, unpack_rows
 
 NAME = "gptq"
 
 
-def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Linear weight [R, C] in `dtype` (into `out` when given): `reference`'s bits, made as
+    its [C, R] transpose (the layout as stored: a scale per output channel of each row)."""
+    a = entry["format_attrs"]
+    bits, group, offset = int(a["bits"]), int(a["group"]), int(a["zero_offset"])
+    R, C = (int(d) for d in entry["logical_shape"])
+    z = unpack_cols(stored["zero"], bits)[:, :R].float() + offset  # [G, R]
+    g_idx = stored.get("g_idx")
+    g = None
+    if bits in (4, 8):
+        g = Grouped(as_bytes(stored["data"], stored["data"].shape[0]), f"wrow{bits}", stored["scale"], C, R, 1,
+                    group if group > 0 else max(C, 1), zero=z, g_idx=g_idx)
+    return run(g, dtype, out, lambda: reference(stored, entry, dtype), transpose=True)
+
+
+def reference(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """The Linear weight [R, C] in `dtype` (computed in fp32)."""
     a = entry["format_attrs"]
     bits, group, offset = int(a["bits"]), int(a["group"]), int(a["zero_offset"])

@@ -23,12 +23,25 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.formats._grouped import NIBBLES, Grouped, as_bytes, run
+
 NAME = "int4_group"
 DEFAULT_GROUP = 128
 SYMMETRIC_ZERO = 8
 
 
-def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight [R, C] in `dtype` (into `out` when given): `reference`'s bits; [C, R] with `transpose`."""
+    data, scale = stored["data"], stored["scale"]
+    attrs = entry.get("format_attrs", {})
+    R, C = (int(d) for d in _stored_shape(entry))
+    zero = stored["zero"] if "zero" in stored else torch.full_like(scale, SYMMETRIC_ZERO, dtype=torch.float32)
+    g = Grouped(as_bytes(data, R), "nibble", scale, R, C, int(attrs["group"]), zero=zero, lut=NIBBLES)
+    return run(g, dtype, out, lambda: reference(stored, entry, dtype), bool(attrs.get("transpose")))
+
+
+def reference(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """The weight [R, C] in `dtype` (computed in fp32) on the stored tensors' device; [C, R]
     with `transpose`."""
     data, scale = stored["data"], stored["scale"]

@@ -17,11 +17,26 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.formats._grouped import Grouped, as_bytes, run
+
 NAME = "int8_channel"
 QMAX = 127
 
 
-def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """data [R, C] times its row's scale, in `dtype` (into `out` when given): `reference`'s bits;
+    [C, R] with `transpose`."""
+    data, scale = stored["data"], stored["scale"]
+    g = None
+    if data.dim() == 2 and data.dtype == torch.int8 and scale.numel() == data.shape[0]:
+        R, C = data.shape
+        g = Grouped(as_bytes(data, R), "int8", scale.reshape(R, 1), R, C, max(C, 1))
+    transpose = bool(entry.get("format_attrs", {}).get("transpose"))
+    return run(g, dtype, out, lambda: reference(stored, entry, dtype), transpose)
+
+
+def reference(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """data [R, C] times its row's scale, in `dtype` (computed in fp32), on the stored
     tensors' device; [C, R] with `transpose`."""
     data, scale = stored["data"], stored["scale"]

@@ -15,13 +15,27 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.contract.formats import MXFP4_GROUP as GROUP  # the contract's: the frontend sizes by it
+from moecc_runtime.formats._grouped import Grouped, as_bytes, run
+
 NAME = "mxfp4"
-GROUP = 32
 #: E2M1 values by nibble: sign bit 3, exponent bits 2-1, mantissa bit 0
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight in `dtype` (into `out` when given): [R, C], or [C, R] with `transpose`;
+    `reference`'s bits (the scale 2^(e - 127) made as torch.ldexp makes it)."""
+    blocks, scales = stored["data"], stored["scale"]
+    R, G, B = blocks.shape
+    pow2 = torch.pow(2.0, scales.to(torch.int32) - 127)  # [R, G] fp32, what ldexp multiplies by
+    g = Grouped(as_bytes(blocks, R), "nibble", pow2, R, G * 2 * B, 2 * B, lut=FP4_VALUES)
+    transpose = bool(entry.get("format_attrs", {}).get("transpose"))
+    return run(g, dtype, out, lambda: reference(stored, entry, dtype), transpose)
+
+
+def reference(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """The weight in `dtype`: [R, C], or [C, R] with `transpose` (exact: every FP4 value times
     a power of two is representable in bf16 and fp32)."""
     blocks, scales = stored["data"], stored["scale"]

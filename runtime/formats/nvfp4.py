@@ -24,13 +24,24 @@ from typing import Any
 
 import torch
 
+from moecc_runtime.formats._grouped import Grouped, as_bytes, run
 from moecc_runtime.formats.mxfp4 import FP4_VALUES
 
 NAME = "nvfp4"
 BLOCK = 16
 
 
-def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Linear weight [R, C] in `dtype` (into `out` when given): `reference`'s bits."""
+    data = stored["data"]
+    R, G = stored["scale"].shape
+    block = stored["scale"].float() * stored["scale_2"].float().reshape(())  # [R, G], as reference makes it
+    g = Grouped(as_bytes(data, R), "nibble", block, R, G * BLOCK, BLOCK, lut=FP4_VALUES)
+    return run(g, dtype, out, lambda: reference(stored, entry, dtype))
+
+
+def reference(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """The Linear weight [R, C] in `dtype` (computed in fp32)."""
     data = stored["data"]
     R, G = stored["scale"].shape

@@ -1,10 +1,13 @@
 """The runtime's native kernels, built at install as extensions and called through ctypes (no
 torch headers, so one build serves any torch): paged attention on the host over the KV pool in
-place (paged_attention.c, `moecc_runtime.native._paged_attention`) and the sampler's pass over a
-step's logits on the host (sample_rows.c, `moecc_runtime.native._sample_rows`).
+place (paged_attention.c, `moecc_runtime.native._paged_attention`), the sampler's pass over a
+step's logits on the host (sample_rows.c, `moecc_runtime.native._sample_rows`) and the formats'
+dequantize on the host (dequant.c, `moecc_runtime.native._dequant`: `dequant_library()`, called by
+moecc_runtime.formats._grouped).
 
 `available()` / `sampling_available()` say whether each was built; `paged_attention(...)` and
-`draw_rows(...)` call them on tensors. MOECC_NO_NATIVE=1 turns both off.
+`draw_rows(...)` call them on tensors. MOECC_NO_NATIVE=1 turns both off. The attention kernel's
+builds (baseline, AVX2, AVX-512) and MOECC_NATIVE_ISA: isa.py (`attention_isa()`, `use_attention_isa`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import os
 from functools import lru_cache
 
 import torch
+
+from moecc_runtime.native import isa
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_PTR, _I64, _I64,  # q, row and head strides
@@ -31,6 +36,17 @@ _DRAW_ARGTYPES = [_PTR, _I64, _I64, _PTR, _I64,  # x, V, row stride, rows, R
                   _PTR, _PTR, _PTR, _PTR, _PTR, _INT,  # inv_t, top_k, top_p, min_p, u, K
                   _PTR, _PTR, _INT]  # out tokens, out candidate ids, threads
 
+#: dequant.c (runtime/formats/_grouped.py calls it): codes, row bytes, kind, lut16, scale, zero, scale row
+#: stride, row groups, R, C, column group, row group, row0, out, out row stride, out dtype, threads
+_DEQUANT_ARGTYPES = [_PTR, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR,
+                     _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _INT, _INT]
+
+
+def dequant_library() -> ctypes.CDLL | None:
+    """The formats' host dequantize (dequant.c, `moecc_runtime.native._dequant`), or None when it
+    was not built (or MOECC_NO_NATIVE is set)."""
+    return _load("_dequant", "moecc_dequant_rows")
+
 
 @lru_cache(maxsize=None)
 def _load(module: str, symbol: str) -> ctypes.CDLL | None:
@@ -42,8 +58,11 @@ def _load(module: str, symbol: str) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(spec.origin)
     fn = getattr(lib, symbol)
-    fn.argtypes = _ARGTYPES if symbol == "moecc_paged_attention" else _DRAW_ARGTYPES
+    fn.argtypes = {"moecc_paged_attention": _ARGTYPES,
+                   "moecc_dequant_rows": _DEQUANT_ARGTYPES}.get(symbol, _DRAW_ARGTYPES)
     fn.restype = ctypes.c_int
+    if module == "_paged_attention":
+        isa.configure(lib)  # MOECC_NATIVE_ISA
     return lib
 
 
@@ -85,6 +104,26 @@ def draw_rows(x: torch.Tensor, rows: torch.Tensor, inv_t: torch.Tensor, top_k: t
                                  ids.data_ptr(), int(threads or torch.get_num_threads())) != 0:
         raise MemoryError("draw_rows: the kernel could not allocate its scratch memory")
     return tok, ids
+
+
+def attention_isas() -> list[str]:
+    """The host-attention kernel's builds this CPU runs, lowest first ([] when not built)."""
+    lib = _library()
+    return isa.supported(lib) if lib is not None else []
+
+
+def attention_isa() -> str | None:
+    """The build the host-attention kernel runs now (None when not built)."""
+    lib = _library()
+    return isa.current(lib) if lib is not None else None
+
+
+def use_attention_isa(name: str) -> None:
+    """Run build `name` (baseline, avx2, avx512) from the next call on; raises when the CPU
+    lacks it (tests and benchmarks; MOECC_NATIVE_ISA does the same at load)."""
+    lib = _library()
+    assert lib is not None, "moecc_runtime.native: the paged attention kernel was not built"
+    isa.select(lib, name, f"use_attention_isa({name!r})")
 
 
 def supports(dtype: torch.dtype) -> bool:

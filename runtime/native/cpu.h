@@ -1,5 +1,5 @@
 /* What the runtime's native kernels (paged_attention.c, sample_rows.c) share about the CPU:
- * whether their AVX2+FMA clone may run (the CPU's own feature bits, asked once: GCC's arch=
+ * whether their AVX2+FMA clone (and attention's AVX-512 one) may run (the CPU's own feature bits, asked once: GCC's arch=
  * clones test the model name, which virtual machines often do not report), and running a job
  * on n threads that take work items from it themselves. Header-only. */
 #ifndef MOECC_CPU_H
@@ -24,10 +24,35 @@ static int use_avx2(void) {
 #endif
 }
 
+/* The host-attention kernel's builds, lowest first (runtime/native/isa.py names them). */
+enum { ISA_BASELINE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+/* An AVX-512 clone needs a compiler that knows the target attribute for it (GCC 7, Clang 6). */
+#if defined(HAVE_AVX2_CLONE) && ((defined(__clang__) && __clang_major__ >= 6) || \
+                                 (!defined(__clang__) && __GNUC__ >= 7))
+#define HAVE_AVX512_CLONE 1
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
+#endif
+
+/* The highest build the CPU runs (its feature bits, asked once; the OS saving the wide
+ * registers included, as __builtin_cpu_supports checks) among those this compiler made. */
+static int cpu_isa(void) {
+    static int known = -1;
+    if (known >= 0) return known;
+    int isa = use_avx2() ? ISA_AVX2 : ISA_BASELINE;
+#ifdef HAVE_AVX512_CLONE
+    if (isa == ISA_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        isa = ISA_AVX512;
+#endif
+    known = isa;
+    return known;
+}
+
 /* fn(job) on `nthreads` threads (at most `items`, at least 1), this one among them; returns
  * when all have. The CPU is probed before any thread reads the answer. */
 static void run_threads(void *(*fn)(void *), void *job, int nthreads, int64_t items) {
-    (void)use_avx2();
+    (void)use_avx2(), (void)cpu_isa();
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;
     pthread_t th[nthreads > 1 ? nthreads - 1 : 1];

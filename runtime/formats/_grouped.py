@@ -1,0 +1,167 @@
+"""Grouped dequantization, shared by the formats whose weights are rows of codes with one scale
+(and zero point) per group of columns and rows: int8_channel, int4_group, fp8_block, mxfp4,
+nvfp4, ct_naive and ct_packed describe their stored tensors as a `Grouped` and `dequantize`
+writes the compute-dtype weight straight into its destination.
+
+Element (r, c) is code c of row r (a byte, or a nibble: low for even c, high for odd; AWQ's
+nibble order; or, packed along rows, value r % k of word (r // k, c)), decoded exactly to fp32
+v; with the scale grid index i = (g_idx[r] or (r + row0) // group_r, c // group_c),
+
+    w[r, c] = (v - zero[i]) * scale[i]      (v * scale[i] without zero points)
+
+in fp32, then rounded once to the compute dtype. That is the arithmetic every format's
+`reference` does (the original whole-tensor torch code, kept for the tests), so the result is
+bit-identical to it. Two paths compute it:
+- on the CPU, dequant.c (moecc_runtime.native.dequant_library) in one pass over the codes, no
+  temporary, on torch's thread count;
+- anywhere else (a GPU, or the extension not built), torch in chunks of rows: fp32 temporaries
+  of at most CHUNK elements, never of a whole module.
+
+Legend: R = rows, C = columns as stored, SR = scale rows, G = column groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from moecc_runtime import native
+from moecc_runtime.formats._packing import AWQ_REVERSE, unpack_cols, unpack_rows
+
+#: code kinds: (dequant.c's number, the torch dtype a byte is read as; None: nibbles)
+KINDS: dict[str, tuple[int, torch.dtype | None]] = {
+    "int8": (0, torch.int8), "uint8": (1, torch.uint8), "e4m3": (2, torch.float8_e4m3fn),
+    "e5m2": (3, torch.float8_e5m2), "nibble": (4, None),
+    "awq": (5, None),  # nibbles of int32 words in AutoAWQ's order (awq.py)
+    "wrow4": (6, None), "wrow8": (7, None)}  # int32 words [R / k, C] packed along rows (GPTQ's qweight)
+OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+NIBBLES = tuple(float(i) for i in range(16))  # a nibble read as its unsigned value
+CHUNK = 1 << 20  # elements of fp32 temporaries per chunk on the torch path (4 MiB each)
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """A weight's stored codes and scale grid as dequant.c reads them (see the module docstring)."""
+
+    codes: torch.Tensor  # [R, row_bytes] uint8, unit last stride
+    kind: str  # a key of KINDS
+    scale: torch.Tensor  # [SR, G] fp32
+    R: int
+    C: int
+    group_c: int
+    group_r: int = 1
+    row0: int = 0
+    zero: torch.Tensor | None = None  # [SR, G] fp32
+    lut: tuple[float, ...] | None = None  # nibbles: the 16 values by nibble
+    g_idx: torch.Tensor | None = None  # [R] int32: each row's scale row (else (r + row0) // group_r)
+
+
+def as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Stored codes of any 1-byte or int32 dtype -> [rows, bytes per row] uint8 (a view when
+    the rows are dense)."""
+    if t.stride(-1) != 1 or not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(torch.uint8).reshape(rows, -1)
+
+
+def dequantize(g: Grouped, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight [R, C] in `dtype` (float32, bfloat16 or float16) on the codes' device, written
+    into `out` when given (R x C elements of `dtype` on that device, dense: it is viewed [R, C])."""
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"dequantize: compute dtype {dtype} is not one of {list(OUT_DTYPES)}")
+    if out is None:
+        out = torch.empty((g.R, g.C), dtype=dtype, device=g.codes.device)
+    elif out.dtype != dtype or out.numel() != g.R * g.C or out.device != g.codes.device or not out.is_contiguous():
+        raise ValueError(f"dequantize: out must be a dense {dtype} tensor of {g.R}x{g.C} elements on "
+                         f"{g.codes.device}, got {out.dtype} {list(out.shape)} on {out.device}")
+    out = out.view(g.R, g.C)
+    if g.codes.device.type == "cpu" and native.dequant_library() is not None:
+        _native(g, out)
+    else:
+        _torch(g, out)
+    return out
+
+
+def _native(g: Grouped, out: torch.Tensor) -> None:
+    """dequant.c into out [R, C] (CPU tensors)."""
+    lib = native.dequant_library()
+    assert lib is not None
+    codes = g.codes if g.codes.stride(-1) == 1 else g.codes.contiguous()
+    scale = g.scale.float().contiguous()
+    zero = g.zero.float().contiguous() if g.zero is not None else None
+    lut = _lut(g.lut) if g.lut is not None else None
+    gidx = g.g_idx.to(torch.int32).contiguous() if g.g_idx is not None else None
+    rc = lib.moecc_dequant_rows(codes.data_ptr(), codes.stride(0) if codes.shape[0] > 1 else codes.shape[-1],
+                                KINDS[g.kind][0], lut.data_ptr() if lut is not None else None, scale.data_ptr(),
+                                zero.data_ptr() if zero is not None else None, scale.shape[-1],
+                                gidx.data_ptr() if gidx is not None else None, g.R, g.C,
+                                g.group_c, g.group_r, g.row0, out.data_ptr(), out.stride(0) if g.R > 1 else g.C,
+                                OUT_DTYPES[out.dtype], torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"dequant.c refused a {g.kind} weight [{g.R}, {g.C}] (row bytes {codes.shape[-1]}, "
+                         f"groups {g.group_r}x{g.group_c}): a format described its stored tensors wrongly")
+
+
+_LUTS: dict[tuple[float, ...], torch.Tensor] = {}
+
+
+def _lut(values: tuple[float, ...]) -> torch.Tensor:
+    """[16] fp32 on the CPU of a nibble table (made once per table)."""
+    t = _LUTS.get(values)
+    if t is None:
+        t = _LUTS[values] = torch.tensor(values, dtype=torch.float32)
+    return t
+
+
+def values(g: Grouped, r0: int, r1: int) -> torch.Tensor:
+    """fp32 values [r1 - r0, C] of rows r0..r1-1's codes (exact)."""
+    if g.kind in ("wrow4", "wrow8"):
+        k = 8 if g.kind == "wrow4" else 4
+        words = g.codes[r0 // k:-(-r1 // k)].view(torch.int32)  # [w, C]
+        return unpack_rows(words, 32 // k)[r0 % k:r0 % k + r1 - r0, :g.C].float()  # [n, C]
+    codes = g.codes[r0:r1]
+    if g.kind == "awq":
+        v = unpack_cols(codes.view(torch.int32), 4)  # [n, 8 W] in nibble order
+        return v.unflatten(-1, (-1, 8))[..., list(AWQ_REVERSE)].flatten(-2)[:, :g.C].float()  # [n, C]
+    if g.kind == "nibble":
+        assert g.lut is not None
+        lut = torch.tensor(g.lut, dtype=torch.float32, device=codes.device)
+        idx = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)[:, :g.C]  # [n, C] uint8
+        return lut[idx.long()]
+    dt = KINDS[g.kind][1]
+    return codes[:, :g.C].view(dt).float()  # [n, C]
+
+
+def _per_element(t: torch.Tensor, g: Grouped, r0: int, r1: int) -> torch.Tensor:
+    """A scale-grid tensor [SR, G] -> its values for rows r0..r1-1, per element [n, C]."""
+    rows = (g.g_idx[r0:r1].long().to(t.device) if g.g_idx is not None
+            else (torch.arange(r0, r1, device=t.device) + g.row0) // g.group_r)  # [n]
+    return t.float()[rows].repeat_interleave(g.group_c, dim=-1)[:, :g.C]  # [n, C]
+
+
+def _torch(g: Grouped, out: torch.Tensor) -> None:
+    """The same arithmetic in torch, CHUNK elements of rows at a time, into out [R, C]."""
+    step = max(1, CHUNK // max(g.C, 1))
+    for r0 in range(0, g.R, step):
+        r1 = min(g.R, r0 + step)
+        v = values(g, r0, r1)  # [n, C]
+        if g.zero is not None:
+            v = v - _per_element(g.zero, g, r0, r1)
+        out[r0:r1].copy_(v * _per_element(g.scale, g, r0, r1))  # [n, C], rounded once to out's dtype
+
+
+def run(g: Grouped | None, dtype: torch.dtype, out: torch.Tensor | None, reference: Callable[[], torch.Tensor],
+        transpose: bool = False) -> torch.Tensor:
+    """A format's materialize: `g` dequantized (transposed: the [C, R] view of it), or, when the
+    format's stored tensors are not a Grouped (g None) or dtype is not a compute dtype, its
+    `reference()`; written into `out` when given."""
+    if g is None or dtype not in OUT_DTYPES:
+        w = reference()
+        if out is None:
+            return w
+        o = out.view(w.t().shape).t() if transpose else out.view(w.shape)
+        return o.copy_(w)
+    w = dequantize(g, dtype, out)  # [R, C]
+    return w.t() if transpose else w

@@ -1,0 +1,45 @@
+"""Which build of the host-attention kernel runs (runtime/native/paged_attention.c): the
+kernel carries a baseline, an AVX2 + FMA and an AVX-512 build and picks the highest the
+CPU's feature bits allow, asked once. MOECC_NATIVE_ISA=baseline|avx2|avx512 (read when the
+kernel loads) or `use_isa(name)` force one, for tests and benchmarks; an ISA this CPU (or the
+compiler that built the kernel) lacks is refused with an error that says what it has.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+ISAS = ("baseline", "avx2", "avx512")  # the kernel's ISA_BASELINE, ISA_AVX2, ISA_AVX512 (cpu.h)
+ENV = "MOECC_NATIVE_ISA"
+
+
+def configure(lib: ctypes.CDLL) -> None:
+    """Type the kernel's ISA functions and apply MOECC_NATIVE_ISA when set; raises
+    ValueError / RuntimeError (via `select`) on an unknown or unsupported name."""
+    for name in ("moecc_paged_attention_isa_max", "moecc_paged_attention_isa", "moecc_paged_attention_set_isa"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_int] if name.endswith("set_isa") else []
+        fn.restype = ctypes.c_int
+    want = os.environ.get(ENV, "").strip().lower()
+    if want:
+        select(lib, want, f"{ENV}={want}")
+
+
+def select(lib: ctypes.CDLL, name: str, who: str) -> None:
+    """Make build `name` the one every later call runs, or raise naming `who` asked for it."""
+    if name not in ISAS:
+        raise ValueError(f"{who}: unknown ISA {name!r} for the host-attention kernel; choose one of {', '.join(ISAS)}")
+    if lib.moecc_paged_attention_set_isa(ISAS.index(name)) < 0:
+        raise RuntimeError(f"{who}: this CPU (or the compiler that built runtime/native/paged_attention.c) lacks "
+                           f"{name}; it runs {', '.join(supported(lib))}: choose one of those or unset {ENV}")
+
+
+def supported(lib: ctypes.CDLL) -> list[str]:
+    """The builds this CPU runs, lowest first."""
+    return list(ISAS[:lib.moecc_paged_attention_isa_max() + 1])
+
+
+def current(lib: ctypes.CDLL) -> str:
+    """The build calls run now."""
+    return ISAS[lib.moecc_paged_attention_isa()]
