@@ -113,6 +113,7 @@ def test_schedule_scales_jobs_but_copies_steal_by_the_bytes_they_move():
     assert slow_copies.seconds >= raw.seconds
 
 
+@pytest.mark.slow
 def test_profile_calibrates_on_a_real_job_and_compile_uses_it(tmp_path, checkpoints):
     from typer.testing import CliRunner
 

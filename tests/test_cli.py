@@ -57,6 +57,9 @@ MIXED_LINES = [
 ]
 
 
+pytestmark = pytest.mark.slow  # the whole file
+
+
 def jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 

@@ -28,6 +28,7 @@ def v3():
     return plan, g, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_v3_graph_has_mla_latent_cache_and_v3_routing(v3):
     _, g, _ = v3
     cfg = json.loads((CONFIG / "config.json").read_text())
@@ -54,12 +55,14 @@ def test_v3_graph_has_mla_latent_cache_and_v3_routing(v3):
     assert len(shared) == L - cfg["first_k_dense_replace"]  # one shared expert per MoE layer
 
 
+@pytest.mark.slow
 def test_v3_parameter_count_matches_the_published_671b(v3):
     _, g, _ = v3
     params = g.weight_bytes / 2  # bf16
     assert abs(params / 671e9 - 1) < 0.01, params
 
 
+@pytest.mark.slow
 def test_v3_plan_solves_in_seconds_and_fits_the_budget(v3):
     plan, _, seconds = v3
     assert seconds < 60, f"compile took {seconds:.1f}s"
@@ -68,6 +71,7 @@ def test_v3_plan_solves_in_seconds_and_fits_the_budget(v3):
     assert plan["predicted"]["decode_tokens_per_s"] > 0 and plan["arena"]["expert_slots"] >= 1
 
 
+@pytest.mark.slow
 def test_tiny_v3_streams_token_identical_with_a_latent_kv_pool(checkpoints, hf_models):
     """MLA decode reads only the cached latent (absorbed form, never expanding K/V heads);
     streamed through an arena below the weights' size, greedy output equals transformers'."""

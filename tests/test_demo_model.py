@@ -59,6 +59,7 @@ def test_record_is_a_trained_model():
     assert cfg["num_local_experts"] >= 4 and cfg["num_experts_per_tok"] == 2
 
 
+@pytest.mark.slow
 def test_transformers_perplexity_is_the_recorded_one(hf_model):
     ids = text_ids(DEMO, HELDOUT.read_text(encoding="utf-8"))
     assert len(ids) == RECORD["heldout_tokens"]
@@ -66,6 +67,7 @@ def test_transformers_perplexity_is_the_recorded_one(hf_model):
     assert ppl == pytest.approx(RECORD["heldout_perplexity"], rel=0.01)
 
 
+@pytest.mark.slow
 def test_moecc_perplexity_matches_transformers(demo_plan, hf_model):
     res = plan_perplexity(demo_plan, HELDOUT, window=WINDOW, device="cpu")
     assert res.tokens == RECORD["heldout_tokens"] - 1
@@ -74,6 +76,7 @@ def test_moecc_perplexity_matches_transformers(demo_plan, hf_model):
     assert res.value == pytest.approx(_hf_perplexity(hf_model, ids), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_perplexity_cli(demo_plan, tmp_path):
     from typer.testing import CliRunner
 
@@ -89,6 +92,7 @@ def test_perplexity_cli(demo_plan, tmp_path):
     assert bad.exit_code == 1 and "missing.txt" in bad.output
 
 
+@pytest.mark.slow
 def test_greedy_continuations_match_transformers(demo_plan, hf_model, tmp_path):
     from moecc_runtime.job.exec import run_job
 

@@ -16,7 +16,7 @@ from moecc.views.explain import _format_lines
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # see conftest
 
 
 def _by_role(g) -> dict[str, dict[str, int]]:

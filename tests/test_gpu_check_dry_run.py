@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PERF_FIELDS = ("tok_s", "generated_tokens", "seconds", "setup_s", "steps", "predicted_tok_s", "true_peak_bytes",
@@ -19,6 +21,7 @@ PERF_FIELDS = ("tok_s", "generated_tokens", "seconds", "setup_s", "steps", "pred
                "host_attention_native", "keep_on_device")
 
 
+@pytest.mark.slow
 def test_dry_run_reports_every_field(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHON": sys.executable}

@@ -1,8 +1,12 @@
 """Tests for moecc.planner.hardware (profiles, presets, rate models, resolve_hardware) and
-`moecc profile` (moecc.measure.profile.measure through the CLI, quick, on this machine)."""
+`moecc profile` (moecc.measure.profile.measure through the CLI, quick, on this machine).
+
+No outcome here depends on timing: the profile's measurements run their real work but read
+a fake clock (StepClock), so every curve has every point however loaded the machine is."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -263,7 +267,30 @@ def test_load_errors_name_the_file(tmp_path):
 # ----------------------------------------------------------------------------- moecc profile
 
 
-def test_profile_quick_cli_writes_a_loadable_profile(tmp_path):
+class StepClock:
+    """A fake time.perf_counter: each reading is `step` seconds after the one before (plus what
+    a test adds to `t`), however long the work between the readings took."""
+
+    def __init__(self, step: float = 0.01):
+        self.t, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+@pytest.fixture
+def steady_clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
+    """Every timer `moecc profile` makes in this test reads one StepClock (10 ms a reading: a
+    point takes its fewest calls, and no curve is cut short)."""
+    from moecc.measure import profile
+
+    clock = StepClock()
+    monkeypatch.setattr(profile, "_Timer", functools.partial(profile._Timer, clock=clock))
+    return clock
+
+
+def test_profile_quick_cli_writes_a_loadable_profile(tmp_path, steady_clock):
     from typer.testing import CliRunner
 
     from moecc.cli import app
@@ -281,7 +308,7 @@ def test_profile_quick_cli_writes_a_loadable_profile(tmp_path):
         for key, pts in per.items():
             assert pts, (kind, key)
             assert all(x > 0 and y > 0 and math.isfinite(x) and math.isfinite(y) for x, y in pts), (kind, key)
-    assert len(p.curves["gemm"]["float32"]) >= 3
+    assert len(p.curves["gemm"]["float32"]) == 4, "every size measured (the clock is steady)"
     assert p.device_flops["float32"] == max(r for _, r in p.curves["gemm"]["float32"])
     assert p.cpu_flops == p.device_flops
     assert all(math.isfinite(r) and r > 0 for r in [p.device_bandwidth, p.host_bandwidth, p.h2d_bandwidth])
@@ -309,7 +336,7 @@ def test_mlp_rate_uses_the_curve_of_its_shape_else_gemm():
     assert p.mlp_rate("float32", 256, 64, 256) == p.gemm_rate("float32", 256)  # another shape
 
 
-def test_profile_model_option_measures_its_expert_shape(tmp_path):
+def test_profile_model_option_measures_its_expert_shape(tmp_path, steady_clock, monkeypatch):
     from typer.testing import CliRunner
 
     from moecc.cli import app
@@ -326,6 +353,7 @@ def test_profile_model_option_measures_its_expert_shape(tmp_path):
     pts = p.curves["mlp"]["float32:64x96"]
     assert len(pts) >= 3 and all(r > 0 for _, r in pts)
     assert p.mlp_rate("float32", pts[-1][0], 64, 96) == pts[-1][1]
+    monkeypatch.setattr("moecc.measure.profile.measure", lambda **kw: p)  # measured above: only calibration is new
     no_weights = CliRunner().invoke(app, ["profile", "--quick", "--device", "cpu", "--model", str(model), "-o",
                                           str(tmp_path / "cal.json")])
     assert no_weights.exit_code == 1 and "--no-calibrate" in no_weights.output
@@ -360,12 +388,25 @@ def test_elementwise_glue_is_counted_per_module():
     assert elementwise_bytes(Node("k", "kv_load"), 4, H) == 0
 
 
-def test_speed_canary_times_the_runtime_expert_mlp_and_scales_with_its_shape():
-    """The benchmark's canary: a positive, repeatable time per expert call, longer for a
-    bigger expert (it times real work, not a constant)."""
+def test_speed_canary_times_the_runtime_expert_mlp_and_scales_with_its_shape(monkeypatch):
+    """The benchmark's canary: the median time of the runtime's expert MLP calls over about
+    the duration asked, per expert shape; read here from a fake clock that each call advances
+    by 0.1 µs per weight (the calls themselves are real), so the figures are exact under any load."""
     from moecc.measure.profile import SpeedCanary
+    from moecc_runtime.worker import kernels
 
-    small, big = SpeedCanary(64, 128, rows=16, pool_bytes=1 << 20), SpeedCanary(256, 1024, rows=16, pool_bytes=1 << 22)
+    assert SpeedCanary(64, 128, rows=16, pool_bytes=1 << 20).seconds(0.0) > 0  # the real clock: 5 calls
+    clock, real, calls = StepClock(step=0.0), kernels.gated_mlp, [0]
+
+    def timed(x, gate, up, down, act):
+        calls[0] += 1
+        clock.t += (gate.numel() + up.numel() + down.numel()) * 1e-7
+        return real(x, gate, up, down, act)
+
+    monkeypatch.setattr(kernels, "gated_mlp", timed)
+    small = SpeedCanary(64, 128, rows=16, pool_bytes=1 << 20, clock=clock)
+    big = SpeedCanary(256, 1024, rows=16, pool_bytes=1 << 22, clock=clock)
     s, b = small.seconds(0.05), big.seconds(0.05)
-    assert 0 < s < b < 1.0
-    assert 0 < small.seconds(0.02) < b
+    assert s == pytest.approx(3 * 64 * 128 * 1e-7) and b == pytest.approx(3 * 256 * 1024 * 1e-7)
+    assert calls[0] == pytest.approx(math.ceil(0.05 / s) + 5, abs=1), "calls until 0.05 s is spent, and at least 5"
+    assert small.seconds(0.02) == pytest.approx(s)

@@ -33,11 +33,17 @@ def owners(kv: BlockAllocator) -> dict[int, int]:
         for b in table:
             assert b not in held, f"block {b} held by sequences {held[b]} and {sid}"
             held[b] = sid
-    free = list(kv._free)
-    assert len(set(free)) == len(free), f"free list has duplicates: {free}"
-    assert not set(free) & set(held), f"blocks both free and held: {set(free) & set(held)}"
-    assert set(free) | set(held) == set(range(kv.num_blocks))
+    kv.check_invariants()  # and every block is free or held: free + held == all
+    assert len(held) + kv.free_blocks == kv.num_blocks
     return held
+
+
+def state(kv: BlockAllocator) -> tuple[dict[int, list[int]], dict[int, int], int]:
+    """What a failed or no-op call must leave unchanged: the tables, the lengths, the free count
+    (with check_invariants and no prefix registered here, the free set is then the same too:
+    every block not held; its order is checked by the reuse tests)."""
+    kv.check_invariants()
+    return {s: list(t) for s, t in kv.tables.items()}, dict(kv.lengths), kv.free_blocks
 
 
 # --------------------------------------------------------------------------- construction
@@ -180,12 +186,13 @@ def test_release_returns_blocks():
 def test_release_of_unknown_sequence_is_a_noop():
     kv = make(num_blocks=8, block_size=4)
     kv.reserve(0, 5)
-    before = ({s: list(t) for s, t in kv.tables.items()}, dict(kv.lengths), list(kv._free))
+    before = state(kv)
     kv.release(42)
-    assert ({s: list(t) for s, t in kv.tables.items()}, dict(kv.lengths), list(kv._free)) == before
+    assert state(kv) == before
     kv.release(0)
     kv.release(0)  # twice: the second is a no-op too
-    assert kv.free_blocks == 8 and sorted(kv._free) == list(range(8))
+    assert kv.free_blocks == 8 and kv.tables == {}
+    kv.check_invariants()
     kv.reserve(1, 1)
     assert kv.tables == {1: [0]}
 
@@ -236,12 +243,12 @@ def test_exhaustion_of_a_growing_sequence_is_all_or_nothing():
     kv = make(num_blocks=5, block_size=4)
     kv.reserve(0, 6)  # [0, 1]
     kv.reserve(1, 4)  # [2]
-    free_before, tables_before, lengths_before = list(kv._free), {s: list(t) for s, t in kv.tables.items()}, dict(kv.lengths)
+    before = state(kv)
     with pytest.raises(KVCacheFull) as ei:
         kv.reserve(0, 17)  # needs 5 blocks: 3 more, 2 free
     assert (ei.value.sid, ei.value.needed, ei.value.free) == (0, 3, 2)
     assert "sequence 0 needs 3 more block(s) but 2 of 5 are free" in str(ei.value)
-    assert kv._free == free_before and kv.tables == tables_before and kv.lengths == lengths_before
+    assert state(kv) == before
     assert kv.usage().tokens_live == 10
     kv.reserve(0, 16)  # exactly what is free still fits afterwards
     assert kv.tables[0] == [0, 1, 3, 4] and kv.free_blocks == 0
@@ -393,16 +400,16 @@ def test_random_reserve_release_keeps_invariants(num_blocks, bs, seq):
             model.pop(sid, None)
         else:
             tokens = n if op == "reserve" else model.get(sid, 0) + n
-            snapshot = ({s: list(t) for s, t in kv.tables.items()}, dict(kv.lengths), list(kv._free))
+            snapshot = state(kv)
             need = -(-tokens // bs) - len(kv.tables.get(sid, []))
             try:
                 kv.reserve(sid, tokens)
             except KVCacheFull as e:
                 assert need > kv.free_blocks
                 assert (e.sid, e.needed, e.free, e.capacity) == (sid, need, kv.free_blocks, num_blocks)
-                assert ({s: list(t) for s, t in kv.tables.items()}, dict(kv.lengths), list(kv._free)) == snapshot
+                assert state(kv) == snapshot
             else:
-                assert need <= len(snapshot[2])
+                assert need <= snapshot[2]
                 model[sid] = max(model.get(sid, 0), tokens)
         held = owners(kv)
         u = kv.usage()

@@ -130,6 +130,7 @@ def mixed_runs(mixed):
 
 
 @pytest.mark.parametrize("family,layout", [("mixtral", "per_expert"), ("qwen3_moe", "fused")])
+@pytest.mark.slow
 def test_mixed_greedy_matches_transformers(mixed_runs, family, layout):
     """bf16 matrices with fp32 norms and routers: token-identical to transformers, and the
     first step's logits bit-identical (the fp32 tensors are cast to bf16 as it casts them)."""
@@ -142,6 +143,7 @@ def test_mixed_greedy_matches_transformers(mixed_runs, family, layout):
         assert torch.equal(got[r.key].logits[0], ref[r.key][1][0]), f"prompt {r.key}"
 
 
+@pytest.mark.slow
 def test_streamed_mixed_plan_gives_the_same_tokens(mixed_runs):
     """A --gpu-mem below the weights: slices stream through the arena as cast, same tokens."""
     path, _, reqs, in_place, ref = mixed_runs("mixtral", "per_expert")
@@ -195,6 +197,7 @@ def test_deepseek_router_reads_its_fp32_gate_as_stored(mixed):
     assert len(_moecc(plan, path, reqs)["0"].token_ids) == 4
 
 
+@pytest.mark.slow
 def test_deepseek_bf16_weights_computed_in_fp32_match_transformers(mixed):
     """config.json says float32 over bf16 matrices: both compute in fp32 (the bf16 slices cast
     up when read), token-identical and logits within 1e-4."""

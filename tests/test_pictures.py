@@ -127,6 +127,7 @@ def test_timeline_of_a_large_model_keeps_a_few_layers(checkpoints):
     assert cut["step_s"] == full["step_s"] == s.seconds
 
 
+@pytest.mark.slow
 def test_measured_timeline_from_exec_stats_drawn_under_the_predicted(checkpoints, tmp_path):
     ckpt, plan, path = _budget_plan(checkpoints, tmp_path)
     prompts = tmp_path / "p.jsonl"

@@ -81,6 +81,7 @@ def test_resume_on_a_stream_is_refused_before_anything_opens(plan, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.fifo"]
 
 
+@pytest.mark.slow
 def test_a_pipe_through_the_command_line_runs_every_request(plan, tmp_path):
     """`cat p.jsonl | moecc exec plan /dev/stdin`: /dev/stdin is /proc/self/fd/0, a pipe; here
     the pipe is another descriptor of this process, named the same way."""
@@ -102,6 +103,7 @@ def test_a_pipe_through_the_command_line_runs_every_request(plan, tmp_path):
     assert ids(out) == [f"p{i}" for i in range(N)]
 
 
+@pytest.mark.slow
 def test_resume_on_stdin_is_one_error_line(plan, tmp_path):
     from typer.testing import CliRunner
 

@@ -74,6 +74,7 @@ def _stored_bytes(entry: dict) -> int:
 
 # -- quality -------------------------------------------------------------------------------
 @pytest.mark.parametrize(("scheme", "tolerance"), [("int8", 0.01), ("int4", 0.05)])
+@pytest.mark.slow
 def test_heldout_perplexity_stays_close_to_the_unquantized_model(plans, scheme, tolerance):
     path, _, _ = plans[scheme]
     res = plan_perplexity(path, HELDOUT, window=WINDOW, device="cpu")
@@ -114,6 +115,7 @@ def test_scope_all_never_touches_embeddings_norms_routers_or_the_head(tmp_path):
 
 
 # -- running it ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_quantized_plan_runs_streamed_as_it_runs_resident(plans, tmp_path):
     path, plan, _ = plans["int4"]
     spath = tmp_path / "streamed.pt"
@@ -340,6 +342,7 @@ def test_int8_channel_dequantizes_within_half_a_step(rows, cols, transpose):
     assert torch.equal(got[-1], torch.zeros(cols))
 
 
+@pytest.mark.slow
 def test_explain_and_ray_actors_find_the_sidecar_from_the_plan_path(plans, tmp_path):
     """`moecc explain --prompts` and the Ray actors (ShardRunner, run here without Ray) read a
     quantized plan's weights from beside the plan, as exec does."""
@@ -359,6 +362,7 @@ def test_explain_and_ray_actors_find_the_sidecar_from_the_plan_path(plans, tmp_p
     assert len(out["results"]) == 1 and len(out["results"][0]["token_ids"]) == 4, out
 
 
+@pytest.mark.slow
 def test_deepseek_v3_int4_plans_within_512gb_and_explain_shows_the_formats():
     """DeepSeek-V3 (1.3 TB in bf16) with --quantize int4 plans within --host-mem 512GB;
     explain shows the experts' format and the bytes saved."""

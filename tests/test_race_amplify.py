@@ -101,6 +101,7 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("share", [None, 0.5], ids=["streamed", "split"])
+@pytest.mark.slow
 def test_race_amplification_changes_no_token(streamed, share, monkeypatch):
     path, plan = streamed
     ref, plain = _run(plan, path, share, False, monkeypatch)

@@ -21,6 +21,9 @@ from moecc_runtime.plan import save_plan  # noqa: E402
 WORDS = "a pulley is a wheel on an axle that turns with a rope and the kettle clicked off".split()
 
 
+pytestmark = pytest.mark.slow  # the whole file
+
+
 def read(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

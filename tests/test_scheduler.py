@@ -42,6 +42,7 @@ def check_reserved(blocks: BlockAllocator, plan: StepPlan) -> None:
             p = c.start + i
             assert (b, o) == (table[p // blocks.block_size], p % blocks.block_size)
     assert plan.kv == blocks.usage()
+    blocks.check_invariants()
 
 
 def test_plans_address_only_reserved_slots_and_blocks_come_back():

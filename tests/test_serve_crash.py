@@ -12,6 +12,15 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
+import pytest
 from openai.types.chat import ChatCompletion
 
 from moecc.serve.testing import ServerProcess, cached_plans, data_dir_with_plans
@@ -19,6 +28,9 @@ from moecc.serve.testing import ServerProcess, cached_plans, data_dir_with_plans
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo-model"
 N = 100  # requests of the batch (2 of them fail: an unknown model); lengths 2..33 tokens, so they finish
 # over the whole run, not together
+
+
+pytestmark = pytest.mark.slow  # the whole file
 
 
 def rows() -> list[dict]:

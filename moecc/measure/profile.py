@@ -82,32 +82,35 @@ def _settings(device: str, quick: bool) -> _Settings:
 
 
 class _Timer:
-    """Times a callable on one device: median seconds per call over repeated batches."""
+    """Times a callable on one device: median seconds per call over repeated batches, read
+    from `clock` (time.perf_counter; a test passes a fake one to make the curves' shape
+    independent of the machine's load)."""
 
-    def __init__(self, sync: Callable[[], None], settings: _Settings, batch_target_s: float = 1e-3):
-        self.sync, self.s, self.batch_target_s = sync, settings, batch_target_s
+    def __init__(self, sync: Callable[[], None], settings: _Settings, batch_target_s: float = 1e-3,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.sync, self.s, self.batch_target_s, self.clock = sync, settings, batch_target_s, clock
 
     def per_call(self, fn: Callable[[], object]) -> tuple[float, float]:
         """(median seconds per call, seconds of the first timed call). Needs fn to be
         repeatable; runs it once untimed first (warm-up: allocator, kernel selection)."""
         fn()
         self.sync()
-        t = time.perf_counter()
+        t = self.clock()
         fn()
         self.sync()
-        first = time.perf_counter() - t
+        first = self.clock() - t
         if first > self.s.slow_call_s:  # too slow to repeat; the curve ends here anyway
             return first, first
         calls = max(1, min(256, int(self.batch_target_s / max(first, 1e-7))))
         samples: list[float] = []
-        start = time.perf_counter()
+        start = self.clock()
         while True:
-            t = time.perf_counter()
+            t = self.clock()
             for _ in range(calls):
                 fn()
             self.sync()
-            samples.append((time.perf_counter() - t) / calls)
-            spent = time.perf_counter() - start
+            samples.append((self.clock() - t) / calls)
+            spent = self.clock() - start
             if len(samples) >= 50 or (len(samples) >= self.s.min_reps and spent >= self.s.min_point_s) \
                     or spent >= self.s.point_budget_s:
                 break
@@ -404,10 +407,11 @@ class SpeedCanary:
     before and after a measured run with the canary at profile time to know whether the run
     saw the machine that was profiled. CPU only (a GPU's speed does not wander so)."""
 
-    def __init__(self, hidden: int, inter: int, rows: int = 128, pool_bytes: int = 512 << 20):
+    def __init__(self, hidden: int, inter: int, rows: int = 128, pool_bytes: int = 512 << 20,
+                 clock: Callable[[], float] = time.perf_counter):
         import torch
 
-        self._torch = torch
+        self._torch, self._clock = torch, clock  # clock: a test's fake one times nothing real
         pool = max(2, min(16, pool_bytes // (3 * hidden * inter * 4)))
         self._ws = _mapped_experts(torch, torch.float32, hidden, inter, pool)
         for w in self._ws:  # first touch: map the pages, as a run's first step does
@@ -420,12 +424,12 @@ class SpeedCanary:
         from moecc_runtime.worker.kernels import gated_mlp
 
         times: list[float] = []
-        end = time.perf_counter() + duration_s
+        end = self._clock() + duration_s
         with self._torch.inference_mode():
-            while time.perf_counter() < end or len(times) < 5:
-                t = time.perf_counter()
+            while self._clock() < end or len(times) < 5:
+                t = self._clock()
                 gated_mlp(self._x, *self._ws[len(times) % len(self._ws)], "silu")
-                times.append(time.perf_counter() - t)
+                times.append(self._clock() - t)
         return statistics.median(times)
 
 
