@@ -75,18 +75,7 @@ def _doc_id(path: Path) -> str:
     return str(path.relative_to(REPO_ROOT))
 
 
-def _path_params() -> list:
-    """One case per doc file; architecture.md's marked xfail until it is rewritten."""
-    params = []
-    for path in DOC_FILES:
-        marks = []
-        if path.name == "architecture.md":
-            marks = [pytest.mark.xfail(strict=False, reason="architecture.md is rewritten after the refactor")]
-        params.append(pytest.param(path, id=_doc_id(path), marks=marks))
-    return params
-
-
-@pytest.mark.parametrize("doc", _path_params())
+@pytest.mark.parametrize("doc", [pytest.param(p, id=_doc_id(p)) for p in DOC_FILES])
 def test_every_repository_path_exists(doc: Path) -> None:
     """(a) Every `moecc/...`, `runtime/...`, `bench/...`, `examples/...`, `tests/...`, `docs/...` path exists,
     and every file written without its folder (`worker/batch.py`) is some source file's tail."""
