@@ -261,7 +261,7 @@ def _plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def placed(plan: dict[str, Any], where: str, fraction: float) -> dict[str, Any]:
-    """A copy of `plan` with both phases' attention placed `where` (tests/test_host_attention.py)."""
+    """A copy of `plan` with both phases' attention placed `where` (tests/runtime/worker/test_host_attention.py)."""
     p = copy.copy(plan)
     p["batch"] = copy.deepcopy(plan["batch"])
     for phase in ("decode", "prefill"):

@@ -10,7 +10,7 @@
 #   bash bench/gpu_check.sh [--budget S]    # on the device; carry bench/out/gpu_check
 #                                           # (run tool: carry=["bench/out/gpu_check"])
 #   bash bench/gpu_check.sh --dry-run-cpu   # the same logic on a CPU, tiny shapes, < ~60 s
-#                                           # (compiles what it needs; tests/test_gpu_check_dry_run.py)
+#                                           # (compiles what it needs; tests/e2e/test_gpu_check_dry_run.py)
 #   python bench/first_contact.py --help    # every option
 #
 # On the device it builds the native host-attention kernel in place when a C compiler exists,

@@ -4,7 +4,7 @@ all through one instrumented helper, and small host values sent without a stall.
 On CUDA every read of a device tensor by the host (`.tolist()`, `.item()`, `.cpu()`) waits for
 the device to drain the stream it was queued on: a sync. The runtime makes those reads only
 through `to_host`, named by call site, so a step's syncs can be counted (`HostReads`), on a
-CPU as on a GPU, and a new one cannot creep in unseen (tests/test_syncs.py). The other way, a plain `torch.tensor(values, device=cuda)` or
+CPU as on a GPU, and a new one cannot creep in unseen (tests/runtime/worker/test_syncs.py). The other way, a plain `torch.tensor(values, device=cuda)` or
 `.to(cuda)` of pageable memory also waits for the stream (a copy then a stream sync); `to_device`
 sends through pinned memory, non-blocking.
 

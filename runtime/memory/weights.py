@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import mmap
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moecc_runtime import formats
+from moecc_runtime.contract.plan_types import Module
 from moecc_runtime.contract.dtypes import TORCH_DTYPES  # noqa: F401 (the contract's table, named here for its readers)
 
 
@@ -33,12 +34,12 @@ class WeightError(Exception):
     """A weight named by the plan cannot be read from the checkpoint."""
 
 
-def fp32_weight_keys(schedule: list[dict[str, Any]]) -> frozenset[str]:
+def fp32_weight_keys(schedule: Sequence[Module]) -> frozenset[str]:
     """Manifest keys of the weights of ops whose attrs say `fp32_weights` (DeepSeek's routers:
     their kernel computes in fp32 from the weights as stored, as transformers keeps them in
     fp32): never cast to the compute dtype, so an fp32 gate keeps its precision."""
-    return frozenset(k for m in schedule for op in m["ops"] if op["attrs"].get("fp32_weights")
-                     for k in op["weights"].values())
+    return frozenset(k for m in schedule for op in m.ops if op.attrs.get("fp32_weights")
+                     for k in op.weights.values())
 
 
 class WeightStore:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moecc_runtime.contract.plan_types import Op
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.syncs import to_device
 from moecc_runtime.worker import kernels
@@ -114,18 +115,18 @@ def _decode_group(mb: MicroBatch, members: list[tuple[int, int, int]], nblk: int
     return DecodeGroup(to_device(rows, device, torch.long), first, len(members), nblk, to_device(mask, device))
 
 
-def project_qkv(op: dict, x: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor):
+def project_qkv(op: Op, x: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor):
     """The attention op's queries, new keys and values for x [t, H], and `finish` (latent
     attention: maps its output through W_UV and o_proj; None: multi-head attention, whose
     output goes through o_proj). MHA: [t, Hq, D], [t, Hkv, D] x2; MLA: [t, nh, kl+R],
     [t, 1, kl+R], [t, 1, 0]."""
-    a = op["attrs"]
+    a = op.attrs
     variant = a.get("variant", "mha")
     if variant == "mla":
         return kernels.mla_qkv(x, w, a, rope)
     if variant == "mha":
         return (*kernels.attention_qkv(x, w, a, rope), None)
-    raise RuntimeError(f"runtime: attention variant {variant!r} (node {op['name']}) is not "
+    raise RuntimeError(f"runtime: attention variant {variant!r} (node {op.name}) is not "
                        f"implemented by this runtime")
 
 
@@ -145,15 +146,15 @@ class GatheredAttention:
         [nb] the pool blocks attention of `mb` reads (what KV staging gathers for it)."""
         return kv_view(mb, window, self.pool.block_size, self.device).blocks
 
-    def forward(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch, w: dict[str, torch.Tensor],
+    def forward(self, op: Op, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch, w: dict[str, torch.Tensor],
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [t, H] -> [t, H]. kv: this layer's gathered blocks, [Hkv, nb, bs, D] and
         [Hkv, nb, bs, Dv]; `w` the op's weights. Multi-head attention, or latent attention
         (MLA: one cached "head" holding the latent and the rope key, values read from the
         latent part)."""
-        a = op["attrs"]
+        a = op.attrs
         if kv is None:
-            raise RuntimeError(f"runtime: device attention of node {op['name']} got micro-batch {mb.index} without "
+            raise RuntimeError(f"runtime: device attention of node {op.name} got micro-batch {mb.index} without "
                                f"its gathered KV; the worker stages it (KVStaging) for every backend that gathers")
         q, k, v, finish = project_qkv(op, x, w, rope)
         # kv_store: on CUDA asynchronous (device->host stream, pinned), in the pool by the step's end

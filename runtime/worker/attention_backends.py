@@ -24,8 +24,8 @@ Recipe: add an attention backend
   2. Register it here: a member of `Where` and its factory in `_FACTORIES`.
   3. If a placement should choose it: extend `place` (and the plan's placement,
      runtime/plan_schema.py's AttentionPlacement, with the planner that writes it).
-  4. Test it: tests/test_attention_backends.py (dispatch) and a numeric test against
-     transformers' greedy tokens like tests/test_host_attention.py's.
+  4. Test it: tests/runtime/worker/test_attention_backends.py (dispatch) and a numeric test against
+     transformers' greedy tokens like tests/runtime/worker/test_host_attention.py's.
 The worker (worker/worker.py) needs no change: it calls only `prepare` and `forward` of the
 backend a micro-batch names, and stages KV for the ones that gather.
 """
@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from moecc_runtime.contract.plan_types import Op
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.worker.attention import GatheredAttention
 from moecc_runtime.worker.batch import MicroBatch, StepBatch
@@ -61,7 +62,7 @@ class AttentionBackend(Protocol):
         [nb] pool blocks to gather for it (a backend that `gathers`), else None."""
         ...
 
-    def forward(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch, w: dict[str, torch.Tensor],
+    def forward(self, op: Op, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch, w: dict[str, torch.Tensor],
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [t, H] -> [t, H] for attention op `op` (weights `w`); `kv` the gathered blocks
         (a backend that `gathers`). The micro-batch's new K/V are stored into the pool."""

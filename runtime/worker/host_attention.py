@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from moecc_runtime import native
+from moecc_runtime.contract.plan_types import Op
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.streaming import KVStaging
 from moecc_runtime.worker import kernels
@@ -88,11 +89,11 @@ class HostAttention:
         """Build `mb`'s host view for `window` (the native kernel's index tensors, on the host)."""
         host_view(mb, window, self.pool.block_size)
 
-    def forward(self, op: dict, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch, w: dict[str, torch.Tensor],
+    def forward(self, op: Op, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch, w: dict[str, torch.Tensor],
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [t, H] -> [t, H]; the micro-batch's new K/V are in the pool afterwards. `kv`:
         unused (the pool is read in place)."""
-        a = op["attrs"]
+        a = op.attrs
         q, k, v, finish = project_qkv(op, x, w, rope)
         layer = a["layer_index"]
         if q.is_cuda and self.pool.d2h is not None:  # kv_store and the queries: one batch, one event
@@ -109,13 +110,13 @@ class HostAttention:
             return finish(out)
         return kernels.linear(out, w["o"], w.get("o_bias"))
 
-    def _host_sinks(self, op: dict, sinks: torch.Tensor | None) -> torch.Tensor | None:
+    def _host_sinks(self, op: Op, sinks: torch.Tensor | None) -> torch.Tensor | None:
         """The op's attention sinks on the host (a weight: copied from the device once)."""
         if sinks is None or not sinks.is_cuda:
             return sinks
-        h = self._sinks.get(op["name"])
+        h = self._sinks.get(op.name)
         if h is None:
-            h = self._sinks[op["name"]] = sinks.to("cpu")
+            h = self._sinks[op.name] = sinks.to("cpu")
         return h
 
     def _pools(self, layer: int, a: dict) -> tuple[torch.Tensor, torch.Tensor]:

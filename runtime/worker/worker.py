@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from moecc_runtime.memory.arena import ArenaError, DeviceArena, Region, align
 from moecc_runtime.memory import device_budget, pinned
 from moecc_runtime.memory.copy_engine import CopyEngine, DeviceToHost
 from moecc_runtime.contract.kv_geometry import KVGeometry
-from moecc_runtime.contract.plan_types import ArenaLayout, PlanView
+from moecc_runtime.contract.plan_types import ArenaLayout, Module, Op, PlanView
 from moecc_runtime.memory.kv import KVPool, pool_geometry
 from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
@@ -56,31 +57,31 @@ from moecc_runtime.worker.timeline import StepTrace, pick_trace
 
 
 
-def _layer_experts(schedule: list[dict]) -> list[dict | None]:
+def _layer_experts(schedule: Sequence[Module]) -> list[Op | None]:
     """Per module: for an attention module, the experts op of the same layer that follows it."""
-    out: list[dict | None] = [None] * len(schedule)
+    out: list[Op | None] = [None] * len(schedule)
     for i, m in enumerate(schedule):
-        if m["kind"] != "attn":
+        if m.kind != "attn":
             continue
         for later in schedule[i + 1:]:
-            if later.get("layer") != m.get("layer"):
+            if later.layer != m.layer:
                 break
-            op = next((o for o in later["ops"] if o["op"] == "experts"), None)
+            op = next((o for o in later.ops if o.op == "experts"), None)
             if op is not None:
                 out[i] = op
                 break
     return out
 
 
-def _next_attention(schedule: list[dict]) -> list[tuple[int, int | None] | None]:
+def _next_attention(schedule: Sequence[Module]) -> list[tuple[int, int | None] | None]:
     """Per module: (layer, sliding window) of the next attention module in the schedule."""
     out: list[tuple[int, int | None] | None] = []
     nxt: tuple[int, int | None] | None = None
     for m in reversed(schedule):
         out.append(nxt)
-        for op in m["ops"]:
-            if op["op"] == "attention":
-                nxt = (op["attrs"]["layer_index"], op["attrs"].get("sliding_window"))
+        for op in m.ops:
+            if op.op == "attention":
+                nxt = (op.attrs["layer_index"], op.attrs.get("sliding_window"))
     return out[::-1]
 
 
@@ -97,22 +98,22 @@ def refuse_unbudgeted_cuda(plan: dict[str, Any], device: torch.device) -> None:
                         f"--device cpu")
 
 
-def _device_slots(schedule: list[dict]) -> dict[str, tuple[int, int]]:
+def _device_slots(schedule: Sequence[Module]) -> dict[str, tuple[int, int]]:
     """The host-buffer values that can stay on the device, in schedule order, each with
     (its producer's module index, the last module index that reads it). A value qualifies
     when modules after its producer read it (not its producer, not the head); it is kept
     in a [T, ...] view of the staging area (`_assign_slots` says which)."""
-    bufs = {op["name"]: i for i, m in enumerate(schedule) for op in m["ops"] if op["op"] == "host_buffer"}
+    bufs = {op.name: i for i, m in enumerate(schedule) for op in m.ops if op.op == "host_buffer"}
     readers: dict[str, set[int]] = {}
     for i, m in enumerate(schedule):
-        for op in m["ops"]:
-            for x in op["inputs"]:
+        for op in m.ops:
+            for x in op.inputs:
                 if x in bufs:
                     readers.setdefault(x, set()).add(i)
     out: dict[str, tuple[int, int]] = {}
     for name, p in bufs.items():
         r = readers.get(name, set())
-        if r and min(r) > p and schedule[p]["kind"] != "head":
+        if r and min(r) > p and schedule[p].kind != "head":
             out[name] = (p, max(r))
     return out
 
@@ -183,7 +184,7 @@ class Worker:
         self.dtype = TORCH_DTYPES[self.view.info.dtype]
         sidecar = sidecar_path(plan_path) if plan_path is not None and has_sidecar(plan) else None
         self.store = WeightStore(plan["weights"], model_dir, self.device, compute_dtype=self.dtype,
-                                 keep=fp32_weight_keys(plan["schedule"]), sidecar=sidecar)
+                                 keep=fp32_weight_keys(self.view.schedule), sidecar=sidecar)
         # (b_a, b_e) per phase: a step that is mostly prompt tokens runs with the plan's prefill
         # sizes, any other with its decode sizes (the arena was sized for both)
         self._phase_sizes = {phase: (int(attn_micro_batch or self.view.phase(phase).b_a),
@@ -192,8 +193,8 @@ class Worker:
         self.b_a, self.b_e = self._phase_sizes["decode"]
         self.inv_freq_host = plan["rope"]["inv_freq"].float()
         self.rope_scaling = float(plan["rope"]["attention_scaling"])
-        self.schedule = plan["schedule"]
-        self._producer = {op["name"]: op["op"] for m in self.schedule for op in m["ops"]}
+        self.schedule = self.view.schedule
+        self._producer = {op.name: op.op for m in self.schedule for op in m.ops}
         self._next_attn = _next_attention(self.schedule)
         self._layer_experts = _layer_experts(self.schedule)
         self.kv = KVPool.of(kv or pool_geometry(self.view), self.dtype, compute_device=self.device)
@@ -204,8 +205,8 @@ class Worker:
         self._phase = "decode"
         # host buffers share storage by slot (the plan's host_buffer attrs.slot: values whose
         # lives do not overlap and whose rows are the same size), as the planner counts them
-        self._slot_of = {op["name"]: op["attrs"].get("slot", op["name"]) for m in self.schedule for op in m["ops"]
-                         if op["op"] == "host_buffer"}
+        self._slot_of = {op.name: op.attrs.get("slot", op.name) for m in self.schedule for op in m.ops
+                         if op.op == "host_buffer"}
         self._host_bufs: dict[Any, torch.Tensor] = {}  # host buffer storage (bytes) by slot, reused
         self._host_ready: dict[Any, Any] = {}  # CUDA: slot -> event after its last device->host write
         self._host_read: dict[Any, Any] = {}  # CUDA: slot -> event after its last non-blocking read
@@ -229,8 +230,8 @@ class Worker:
             self._init_arena(self.view.arena)
             if self.keep_on_device:
                 self._slots = _device_slots(self.schedule)
-                bufs = {op["name"] for m in self.schedule for op in m["ops"] if op["op"] == "host_buffer"}
-                self._staged_inputs = [list(dict.fromkeys(i for op in m["ops"] for i in op["inputs"]
+                bufs = {op.name for m in self.schedule for op in m.ops if op.op == "host_buffer"}
+                self._staged_inputs = [list(dict.fromkeys(i for op in m.ops for i in op.inputs
                                                           if i in bufs and i not in self._slots))
                                        for m in self.schedule]
         else:
@@ -308,8 +309,8 @@ class Worker:
         mbs = place(b, self._host_share[self._phase], self.b_a, self.kv_staging.cap_blocks)
         logits = None
         for index, module in enumerate(self.schedule):
-            kind = module["kind"]
-            self._layer = module.get("layer")
+            kind = module.kind
+            self._layer = module.layer
             self.weights.enter(index)
             self.kv.flush(wait=False)  # CUDA: scatter K/V stores whose copies are done, while the device works
             if kind == "attn":
@@ -321,12 +322,12 @@ class Worker:
         assert logits is not None, "plan has no head module"
         return logits
 
-    def _run_attention_module(self, index: int, module: dict, env: dict[str, torch.Tensor], b: StepBatch,
+    def _run_attention_module(self, index: int, module: Module, env: dict[str, torch.Tensor], b: StepBatch,
                               mbs: list[MicroBatch]) -> None:
         """Micro-batch by micro-batch, each through its backend. Those whose backend gathers:
         the next one's KV (after the last one: the next attention layer's first) is gathered
         while this one computes. The others read the pool in place, after them."""
-        attn = next(op for op in module["ops"] if op["op"] == "attention")["attrs"]
+        attn = next(op for op in module.ops if op.op == "attention").attrs
         layer, window = attn["layer_index"], attn.get("sliding_window")
         nxt = self._next_attn[index]
         staged = [mb for mb in mbs if self._backend(mb).gathers]
@@ -365,10 +366,10 @@ class Worker:
         """Fetch the layer's first experts before its router runs when the step's rows make
         every expert almost surely chosen (streaming.speculates)."""
         op = self._layer_experts[index]
-        if op is not None and speculates(b.T, int(op["attrs"].get("top_k", 1)), int(op["attrs"]["num_experts"])):
-            self.weights.speculate(op["name"])
+        if op is not None and speculates(b.T, int(op.attrs.get("top_k", 1)), int(op.attrs["num_experts"])):
+            self.weights.speculate(op.name)
 
-    def _run_module(self, module: dict, env: dict[str, torch.Tensor], b: StepBatch,
+    def _run_module(self, module: Module, env: dict[str, torch.Tensor], b: StepBatch,
                     mb: MicroBatch | None, kv: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> torch.Tensor | None:
         """Run one module's ops over the attention micro-batch `mb` (whose gathered KV is
@@ -376,7 +377,7 @@ class Worker:
         rows). Host buffers collect each op's output rows; the module's last output is returned."""
         if mb is not None:
             rows: slice | torch.Tensor = slice(mb.r0, mb.r1)
-        elif module["kind"] == "head":
+        elif module.kind == "head":
             rows = b.last_rows
         else:
             rows = slice(None)
@@ -385,14 +386,14 @@ class Worker:
         trace = self._trace
         dev = self._dev
         handover: list[tuple[str, Any]] = []  # outputs kept on the device, written after the run's ops
-        for op in module["ops"]:
-            kind = op["op"]
+        for op in module.ops:
+            kind = op.op
             if kind in TRANSFER_OPS:  # the weights policy and the KV staging did these (memory/)
                 continue  # the weights policy and the KV staging did these (see streaming.py)
             t_op = time.perf_counter() if trace is not None else 0.0
-            inputs = [arg(i) for i in op["inputs"] if self._producer.get(i) not in TRANSFER_OPS]
+            inputs = [arg(i) for i in op.inputs if self._producer.get(i) not in TRANSFER_OPS]
             if kind == "host_buffer":
-                name, x = op["name"], inputs[0]
+                name, x = op.name, inputs[0]
                 self._widths.setdefault(name, (tuple(x.shape[1:]), x.dtype))
                 if dev is not None and name in dev.offsets:
                     handover.append((name, x))
@@ -402,10 +403,10 @@ class Worker:
                     full = env[name] = self._host_buffer(name, (b.T, *x.shape[1:]), x.dtype)
                 self._to_host(name, full, rows, x)
                 continue
-            last = arg.local[op["name"]] = self._compute(op, inputs, mb, kv)
+            last = arg.local[op.name] = self._compute(op, inputs, mb, kv)
             if trace is not None and kind != "experts":  # experts: one job per expert (StepTrace.experts)
                 name = f"L{self._layer}.attn.{mb.index}" if kind == "attention" and mb is not None else \
-                    f"{module['module']}.{op['name']}"
+                    f"{module.module}.{op.name}"
                 trace.add(name, "compute", OP_JOB_KIND.get(kind, "glue"), self._layer, t_op, time.perf_counter())
         assert dev is not None or not handover
         for name, x in handover:  # this run's rows of the value, over the rows of the input it replaces
@@ -499,26 +500,26 @@ class Worker:
             if ev is not None:
                 ev.synchronize()
 
-    def _w(self, op: dict, local: str) -> torch.Tensor:
-        return self.weights.get(op["weights"][local])
+    def _w(self, op: Op, local: str) -> torch.Tensor:
+        return self.weights.get(op.weights[local])
 
-    def _compute(self, op: dict, x: list[Any], mb: MicroBatch | None,
+    def _compute(self, op: Op, x: list[Any], mb: MicroBatch | None,
                  kv: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
         """One op of the plan's vocabulary over its inputs `x`."""
-        kind, a = op["op"], op["attrs"]
+        kind, a = op.op, op.attrs
         if kind == "embed":  # on the host: only the rows used travel
-            return F.embedding(x[0], self.store.host(op["weights"]["weight"]))
+            return F.embedding(x[0], self.store.host(op.weights["weight"]))
         if kind == "rope":
             return kernels.rope_table(x[0], self.inv_freq_host, self.rope_scaling, self.dtype)
         if kind == "rmsnorm":
             return kernels.rmsnorm(x[0], self._w(op, "weight"), a["eps"])
         if kind == "attention":
-            assert mb is not None, f"attention node {op['name']} outside an attention module"
-            w = {k: self._w(op, k) for k in op["weights"]}
+            assert mb is not None, f"attention node {op.name} outside an attention module"
+            w = {k: self._w(op, k) for k in op.weights}
             return self._backend(mb).forward(op, x[0], x[1], mb, w, kv)
         if kind == "router":
             return kernels.route(x[0], self._w(op, "weight"), a,
-                                 self._w(op, "bias") if "bias" in op["weights"] else None)
+                                 self._w(op, "bias") if "bias" in op.weights else None)
         if kind == "experts":
             return self._experts(op, x)
         if kind == "mlp":
@@ -528,7 +529,7 @@ class Worker:
                                                         self._w(op, "up"), self._w(op, "down"), a["act"])
             return out
         if kind == "linear":
-            bias = self._w(op, "bias") if "bias" in op["weights"] else None
+            bias = self._w(op, "bias") if "bias" in op.weights else None
             return kernels.linear(x[0], self._w(op, "weight"), bias)
         if kind == "add":
             return x[0] + x[1]
@@ -538,19 +539,19 @@ class Worker:
             return torch.sigmoid(x[0])
         if kind == "lm_head":
             return kernels.linear(x[0], self._w(op, "weight"))
-        raise RuntimeError(f"runtime: op {kind!r} (node {op['name']}) is not implemented by this runtime; "
+        raise RuntimeError(f"runtime: op {kind!r} (node {op.name}) is not implemented by this runtime; "
                            f"the plan is newer than the runtime")
 
-    def _experts(self, op: dict, x: list[Any]) -> torch.Tensor:
+    def _experts(self, op: Op, x: list[Any]) -> torch.Tensor:
         """Every routed expert over its rows in chunks of b_e, weights from the weights policy."""
         top_w, top_i = x[1]
         trace, layer = self._trace, self._layer
 
         def weights(es: list[int]):
-            it = self.weights.experts(op["name"], es)
+            it = self.weights.experts(op.name, es)
             return it if trace is None else trace.experts(it, layer, es)
 
-        a = op["attrs"]
+        a = op.attrs
         out, used = kernels.experts(x[0], top_w, top_i, weights, a["num_experts"], kernels.expert_mlp(a), self.b_e)
         self.stats.experts_run += used
         return out
@@ -582,12 +583,12 @@ class _Inputs:
     behind the compute stream's wait for the buffer's device->host event); the stem
     (embedding, rope table) reads them on the host."""
 
-    def __init__(self, worker: Worker, module: dict, env: dict[str, torch.Tensor], rows: slice | torch.Tensor,
+    def __init__(self, worker: Worker, module: Module, env: dict[str, torch.Tensor], rows: slice | torch.Tensor,
                  rows_dev: slice | torch.Tensor):
         """`rows`: which rows of each value (host indexes, for host buffers); `rows_dev` the same
         on the compute device (for values kept there)."""
         self.worker, self.module, self.env, self.rows, self.rows_dev = worker, module, env, rows, rows_dev
-        self.host = module["kind"] == "stem"
+        self.host = module.kind == "stem"
         self.local: dict[str, Any] = {}  # value name -> its tensor in this module run
         dev = worker._dev
         self.staged = dev.top if dev is not None else 0  # bytes of the staging area used so far
@@ -600,7 +601,7 @@ class _Inputs:
         if dev is not None and name in dev.offsets:
             full = dev.views.get(name)
             if full is None:
-                raise RuntimeError(f"runtime: {self.module['module']} reads {name} before any module wrote it "
+                raise RuntimeError(f"runtime: {self.module.module} reads {name} before any module wrote it "
                                    f"(the plan's schedule is out of order)")
             x = full[self.rows_dev]
             self.local[name] = x
@@ -621,7 +622,7 @@ class _Inputs:
         if stage is None:
             dst = x.to(w.device)
         else:
-            dst = stage.view(self.staged, x.shape, x.dtype, what=f"staged input {name} of {self.module['module']}")
+            dst = stage.view(self.staged, x.shape, x.dtype, what=f"staged input {name} of {self.module.module}")
             self.staged += align(x.numel() * x.element_size())
             if behind:
                 compute = torch.cuda.current_stream(w.device)

@@ -6,7 +6,7 @@ load_config accepts and the architecture a config without `architectures` gets
 tensor-name aliases (frontend/weights.py), the quantization methods read for one family
 only (frontend/quantization.py), lowering's MLA rope default (frontend/lowering.py), the
 tiny test checkpoints (moecc/testing/checkpoints.py) and the per-family test lists
-(tests/test_equivalence.py, test_checkpoints.py, test_real_configs.py, ...).
+(tests/e2e/test_equivalence.py, test_checkpoints.py, test_real_configs.py, ...).
 
 To add a family (3 files):
   1. moecc/frontend/families/<model_type>.py: `FAMILY = Family(...)` (family.py says

@@ -39,5 +39,5 @@ FAMILY = Family(
         "initializer_range": 0.1,
         "tie_word_embeddings": False,
     },
-    # deepseek-v3 (671B): tests/test_deepseek_plan.py
+    # deepseek-v3 (671B): tests/compiler/test_deepseek_plan.py
 )

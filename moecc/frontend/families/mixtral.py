@@ -24,6 +24,6 @@ FAMILY = Family(
         "initializer_range": 0.1,
         "tie_word_embeddings": False,
     },
-    # mixtral-8x22b: tests/test_frontend.py
+    # mixtral-8x22b: tests/compiler/test_frontend.py
     published={"mixtral-8x7b": 46.7e9},
 )
