@@ -288,7 +288,7 @@ def test_the_sidecar_needs_a_plan_path_outside_the_checkpoint(tmp_path):
 
 
 def test_a_config_only_checkpoint_plans_with_the_stored_bytes_and_writes_nothing(tmp_path):
-    config_only = Path(__file__).resolve().parents[1] / "passes" / "data" / "tiny-mixtral"
+    config_only = Path(__file__).resolve().parent / "passes" / "data" / "tiny-mixtral"
     plan, graph = compile_model(config_only, prompt_tokens=16, output_tokens=8, max_batch=4, quantize="int4",
                                 output=tmp_path / "p.pt")
     experts = [plan["weights"][k] for k in _expert_keys(plan)]

@@ -143,7 +143,7 @@ def test_below_the_threshold_nothing_changes(monkeypatch, gpu_mem):
 def test_explain_says_per_phase_whether_experts_are_fetched_before_routing():
     from moecc.compiler import compile_model
 
-    plan = compile_model(Path(__file__).parents[2] / "passes" / "data" / "tiny-mixtral", prompt_tokens=2,
+    plan = compile_model(Path(__file__).resolve().parents[1] / "passes" / "data" / "tiny-mixtral", prompt_tokens=2,
                          output_tokens=4, max_batch=2, hardware="a5000", gpu_mem=400_000,
                          device_reserve=0)[0]
     ep = plan["predicted"]["expert_prefetch"]
