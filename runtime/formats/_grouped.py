@@ -84,6 +84,18 @@ def dequantize(g: Grouped, dtype: torch.dtype, out: torch.Tensor | None = None) 
     return out
 
 
+#: elements below which dequant.c runs on the calling thread alone: starting threads next to
+#: torch's intra-op pool (whose workers spin after each op) cost more than they save on weights
+#: of a few million elements (a decode step of the weight_formats bench: 608 us per int4
+#: [768, 256] weight with 2 threads against 89 us alone)
+NATIVE_THREADED_MIN = 1 << 24
+
+
+def _threads(g: Grouped) -> int:
+    """Threads for dequant.c on `g`: torch's count for a big weight, else 1."""
+    return torch.get_num_threads() if g.R * g.C >= NATIVE_THREADED_MIN else 1
+
+
 def _native(g: Grouped, out: torch.Tensor) -> None:
     """dequant.c into out [R, C] (CPU tensors)."""
     lib = native.dequant_library()
@@ -98,7 +110,7 @@ def _native(g: Grouped, out: torch.Tensor) -> None:
                                 zero.data_ptr() if zero is not None else None, scale.shape[-1],
                                 gidx.data_ptr() if gidx is not None else None, g.R, g.C,
                                 g.group_c, g.group_r, g.row0, out.data_ptr(), out.stride(0) if g.R > 1 else g.C,
-                                OUT_DTYPES[out.dtype], torch.get_num_threads())
+                                OUT_DTYPES[out.dtype], _threads(g))
     if rc != 0:
         raise ValueError(f"dequant.c refused a {g.kind} weight [{g.R}, {g.C}] (row bytes {codes.shape[-1]}, "
                          f"groups {g.group_r}x{g.group_c}): a format described its stored tensors wrongly")

@@ -156,10 +156,12 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
                              f"{want[tuple(bad[0])]}"
 
 
-@pytest.fixture(params=["native", "portable", "torch", "torch-chunked"])
+@pytest.fixture(params=["native", "native-threaded", "portable", "torch", "torch-chunked"])
 def path(request, monkeypatch) -> str:
-    if request.param in ("native", "portable") and native.dequant_library() is None:
+    if request.param.startswith(("native", "portable")) and native.dequant_library() is None:
         pytest.skip("dequant.c was not built (python setup.py build_ext --inplace)")
+    if request.param == "native-threaded":  # every weight over torch's threads (only big ones are, by default)
+        monkeypatch.setattr(_grouped, "NATIVE_THREADED_MIN", 0)
     if request.param == "portable":
         monkeypatch.setenv("MOECC_DEQUANT_PORTABLE", "1")
     if request.param.startswith("torch"):
