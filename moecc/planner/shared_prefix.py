@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from moecc_runtime.contract.blocks import KV_BLOCK_SIZE
-from moecc_runtime.contract.prefix import ROOT, BlockKey, block_key, shareable_blocks, walk
+from moecc_runtime.contract.prefix import ROOT, BlockKey, block_key, walk
 
 UPPER_BOUND_NOTE = ("upper bound: prompts in file order, every block seen assumed still cached "
                     "(the runtime's KV pool evicts, and requests in flight together may both compute a block)")

@@ -8,9 +8,10 @@ i - 1's registered content, or ROOT for block 0; block i's bs tokens), so two bl
 only when their whole prefixes are equal. A sequence takes the longest chain of known
 blocks from block 0; the first block not known ends it.
 
-The runtime's allocator (scheduler/blocks.py) registers computed blocks under these keys;
-the planner's counter (moecc/planner/shared_prefix.py) walks a job's prompts with the same
-keys, every block seen assumed still cached (an upper bound on the runtime's reuse).
+The runtime's allocator (scheduler/blocks.py) registers every computed full block under these
+keys (a prompt's last full block too: a later, longer prompt may take it); the planner's counter
+(moecc/planner/shared_prefix.py) walks a job's prompts with the same keys and registers the
+same blocks, every block seen assumed still cached (an upper bound on the runtime's reuse).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ in fp32, then rounded once to the compute dtype. That is the arithmetic every fo
 `reference` does (the original whole-tensor torch code, kept for the tests), so the result is
 bit-identical to it. Two paths compute it:
 - on the CPU, dequant.c (moecc_runtime.native.dequant_library) in one pass over the codes, no
-  temporary, on torch's thread count;
+  temporary, on the calling thread (torch's thread count for weights of NATIVE_THREADED_MIN
+  elements or more);
 - anywhere else (a GPU, or the extension not built), torch in chunks of rows: fp32 temporaries
   of at most CHUNK elements, never of a whole module.
 
@@ -116,14 +117,15 @@ def _native(g: Grouped, out: torch.Tensor) -> None:
                          f"groups {g.group_r}x{g.group_c}): a format described its stored tensors wrongly")
 
 
-_LUTS: dict[tuple[float, ...], torch.Tensor] = {}
+_LUTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
 
-def _lut(values: tuple[float, ...]) -> torch.Tensor:
-    """[16] fp32 on the CPU of a nibble table (made once per table)."""
-    t = _LUTS.get(values)
+def _lut(values: tuple[float, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[16] fp32 of a nibble table on `device` (made once per table and device: no copy per use)."""
+    key = (values, torch.device(device))
+    t = _LUTS.get(key)
     if t is None:
-        t = _LUTS[values] = torch.tensor(values, dtype=torch.float32)
+        t = _LUTS[key] = torch.tensor(values, dtype=torch.float32, device=key[1])
     return t
 
 
@@ -139,7 +141,7 @@ def values(g: Grouped, r0: int, r1: int) -> torch.Tensor:
         return v.unflatten(-1, (-1, 8))[..., list(AWQ_REVERSE)].flatten(-2)[:, :g.C].float()  # [n, C]
     if g.kind == "nibble":
         assert g.lut is not None
-        lut = torch.tensor(g.lut, dtype=torch.float32, device=codes.device)
+        lut = _lut(g.lut, codes.device)
         idx = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)[:, :g.C]  # [n, C] uint8
         return lut[idx.long()]
     dt = KINDS[g.kind][1]

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from moecc_runtime.contract.activations import ACTIVATIONS  # noqa: F401  (kernels.ACTIVATIONS)
+from moecc_runtime.contract.activations import ACTIVATIONS
 from moecc_runtime.syncs import to_list
 
 
