@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=1536)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-batch", type=int, default=64, help="sequences a decode step holds (compile's --max-batch)")
     ap.add_argument("--slack", type=float, default=1.1, help="--gpu-mem = the largest stated minimum of the plans x this")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--micro", action="store_true", help="only the per-format dequantize of one expert weight "
@@ -181,7 +182,7 @@ def main() -> None:
         return micro(a.inter, a.hidden)
     from moecc.sizes import format_bytes
 
-    workload = ["--prompt-tokens", "12", "--output-tokens", str(a.max_tokens), "--max-batch", "64"]
+    workload = ["--prompt-tokens", "12", "--output-tokens", str(a.max_tokens), "--max-batch", str(a.max_batch)]
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         bf16, published = build(work, a.hidden, a.inter)
@@ -199,7 +200,7 @@ def main() -> None:
                 *(run_one(name, m, work, prompts, workload, budget + list(x)) for name, m, x in cases)]
     base = rows[1]
     print(f"--gpu-mem {format_bytes(gpu)} (the largest stated minimum of the plans x {a.slack}); {a.requests} requests x "
-          f"{a.max_tokens} tokens")
+          f"{a.max_tokens} tokens, --max-batch {a.max_batch}")
     print(f"{'format':14s} {'host weights':>12s} {'x smaller':>9s} {'experts x':>9s} {'copied/step':>12s} {'x fewer':>8s} "
           f"{'decode tok/s':>12s} {'vs bf16':>7s} {'resident':>8s}")
     for r in rows:
@@ -214,7 +215,7 @@ def main() -> None:
     if a.json:
         a.json.write_text(json.dumps({"bench": "weight_formats", "machine": platform.platform(), "gpu_mem": gpu,
                                       "hidden": a.hidden, "inter": a.inter, "requests": a.requests,
-                                      "max_tokens": a.max_tokens, "rows": rows}, indent=1) + "\n")
+                                      "max_tokens": a.max_tokens, "max_batch": a.max_batch, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,15 @@ Element (r, c) is code c of row r (a byte, or a nibble: low for even c, high for
 nibble order; or, packed along rows, value r % k of word (r // k, c)), decoded exactly to fp32
 v; with the scale grid index i = (g_idx[r] or (r + row0) // group_r, c // group_c),
 
-    w[r, c] = (v - zero[i]) * scale[i]      (v * scale[i] without zero points)
+    w[r, c] = (v - zero[i]) * scale[i]      (zero_const for zero without a zero tensor)
+
+where a scale is an fp32 value, or (scale_mul given: NVFP4's blocks) an e4m3 code's value times
+scale_mul, one fp32 product, as the format's reference makes its block scales;
 
 in fp32, then rounded once to the compute dtype. That is the arithmetic every format's
 `reference` does (the original whole-tensor torch code, kept for the tests), so the result is
 bit-identical to it. Two paths compute it:
-- on the CPU, dequant.c (moecc_runtime.native.dequant_library) in one pass over the codes, no
+- on the CPU, dequant.c (moecc_runtime.native.dequant_rows) in one pass over the codes, no
   temporary, on the calling thread (torch's thread count for weights of NATIVE_THREADED_MIN
   elements or more);
 - anywhere else (a GPU, or the extension not built), torch in chunks of rows: fp32 temporaries
@@ -48,7 +51,7 @@ class Grouped:
 
     codes: torch.Tensor  # [R, row_bytes] uint8, unit last stride
     kind: str  # a key of KINDS
-    scale: torch.Tensor  # [SR, G] fp32
+    scale: torch.Tensor  # [SR, G] fp32, or float8_e4m3fn codes when scale_mul is given
     R: int
     C: int
     group_c: int
@@ -57,6 +60,13 @@ class Grouped:
     zero: torch.Tensor | None = None  # [SR, G] fp32
     lut: tuple[float, ...] | None = None  # nibbles: the 16 values by nibble
     g_idx: torch.Tensor | None = None  # [R] int32: each row's scale row (else (r + row0) // group_r)
+    scale_mul: torch.Tensor | None = None  # [] fp32: scale holds e4m3 codes, each times this (groups of columns)
+    zero_const: float = 0.0  # the zero point of every group when zero and zero_codes are None
+    #: or the zero points as stored codes (a scale per column only): [SR, bytes] uint8 of kind
+    #: zero_kind ("nibble": GPTQ's qzeros, "awq": AutoAWQ's, "uint8"), each plus zero_add
+    zero_codes: torch.Tensor | None = None
+    zero_kind: str = "nibble"
+    zero_add: float = 0.0
 
 
 def as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -99,19 +109,22 @@ def _threads(g: Grouped) -> int:
 
 def _native(g: Grouped, out: torch.Tensor) -> None:
     """dequant.c into out [R, C] (CPU tensors)."""
-    lib = native.dequant_library()
-    assert lib is not None
+    fn = native.dequant_rows()
+    assert fn is not None
     codes = g.codes if g.codes.stride(-1) == 1 else g.codes.contiguous()
-    scale = g.scale.float().contiguous()
+    scale = (g.scale.contiguous().view(torch.uint8) if g.scale_mul is not None  # e4m3 codes, decoded by dequant.c
+             else g.scale.float().contiguous())
     zero = g.zero.float().contiguous() if g.zero is not None else None
     lut = _lut(g.lut) if g.lut is not None else None
     gidx = g.g_idx.to(torch.int32).contiguous() if g.g_idx is not None else None
-    rc = lib.moecc_dequant_rows(codes.data_ptr(), codes.stride(0) if codes.shape[0] > 1 else codes.shape[-1],
-                                KINDS[g.kind][0], lut.data_ptr() if lut is not None else None, scale.data_ptr(),
-                                zero.data_ptr() if zero is not None else None, scale.shape[-1],
-                                gidx.data_ptr() if gidx is not None else None, g.R, g.C,
-                                g.group_c, g.group_r, g.row0, out.data_ptr(), out.stride(0) if g.R > 1 else g.C,
-                                OUT_DTYPES[out.dtype], _threads(g))
+    zc = g.zero_codes.contiguous() if g.zero_codes is not None else None
+    rc = fn(codes.data_ptr(), codes.stride(0) if codes.shape[0] > 1 else codes.shape[-1], KINDS[g.kind][0],
+            lut.data_ptr() if lut is not None else None, scale.data_ptr(), zero.data_ptr() if zero is not None else None,
+            scale.shape[-1], gidx.data_ptr() if gidx is not None else None, g.R, g.C, g.group_c, g.group_r, g.row0,
+            out.data_ptr(), out.stride(0) if g.R > 1 else g.C, OUT_DTYPES[out.dtype], _threads(g),
+            int(g.scale_mul is not None),
+            zc.data_ptr() if zc is not None else None, zc.stride(0) if zc is not None else 0, KINDS[g.zero_kind][0],
+            float(g.scale_mul) if g.scale_mul is not None else 1.0, g.zero_const, g.zero_add)
     if rc != 0:
         raise ValueError(f"dequant.c refused a {g.kind} weight [{g.R}, {g.C}] (row bytes {codes.shape[-1]}, "
                          f"groups {g.group_r}x{g.group_c}): a format described its stored tensors wrongly")
@@ -161,9 +174,26 @@ def _torch(g: Grouped, out: torch.Tensor) -> None:
     for r0 in range(0, g.R, step):
         r1 = min(g.R, r0 + step)
         v = values(g, r0, r1)  # [n, C]
-        if g.zero is not None:
-            v = v - _per_element(g.zero, g, r0, r1)
-        out[r0:r1].copy_(v * _per_element(g.scale, g, r0, r1))  # [n, C], rounded once to out's dtype
+        if g.zero is not None or g.zero_codes is not None:
+            v = v - _per_element(g.zero if g.zero is not None else _zeros(g), g, r0, r1)
+        elif g.zero_const:
+            v = v - g.zero_const
+        out[r0:r1].copy_(v * _per_element(_scales(g), g, r0, r1))  # [n, C], rounded once to out's dtype
+
+
+def _zeros(g: Grouped) -> torch.Tensor:
+    """The fp32 zero grid [SR, C] of zeros stored as codes (zero_codes), plus zero_add."""
+    assert g.zero_codes is not None
+    z = values(Grouped(g.zero_codes, g.zero_kind, g.scale, g.zero_codes.shape[0], g.C, 1, lut=NIBBLES), 0,
+               g.zero_codes.shape[0])  # [SR, C]
+    return z + g.zero_add
+
+
+def _scales(g: Grouped) -> torch.Tensor:
+    """The fp32 scale grid [SR, G] (e4m3 codes times scale_mul made here, as the reference does)."""
+    if g.scale_mul is None:
+        return g.scale
+    return g.scale.float() * g.scale_mul.float().reshape(())
 
 
 def run(g: Grouped | None, dtype: torch.dtype, out: torch.Tensor | None, reference: Callable[[], torch.Tensor],

@@ -41,9 +41,9 @@ def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: t
     its [C, R] transpose (the layout as stored: a scale per output channel of each row)."""
     group = int(entry["format_attrs"]["group"])
     R, C = (int(d) for d in entry["logical_shape"])
-    z = unpack(stored["zero"])[:, :R].float()  # [G, R]
+    zero = stored["zero"]  # qzeros [G, R / 8]: decoded by dequant.c as `unpack` does
     g = Grouped(as_bytes(stored["data"], C), "awq", stored["scale"], C, R, 1, group if group > 0 else max(C, 1),
-                zero=z, lut=NIBBLES)
+                lut=NIBBLES, zero_codes=as_bytes(zero, zero.shape[0]), zero_kind="awq")
     return run(g, dtype, out, lambda: reference(stored, entry, dtype), transpose=True)
 
 

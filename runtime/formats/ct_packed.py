@@ -43,10 +43,9 @@ def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: t
     g = None
     if "g_idx" not in stored and bits in (4, 8):
         mid = float(1 << (bits - 1))
-        zero = (unpack_rows(stored["zero"], bits)[:R].float() if "zero" in stored  # [R, G]
-                else torch.full(scale.shape, mid, dtype=torch.float32, device=scale.device))
+        zero = unpack_rows(stored["zero"], bits)[:R].float() if "zero" in stored else None  # [R, G]
         g = Grouped(as_bytes(stored["data"], R), "nibble" if bits == 4 else "uint8", scale, R, C,
-                    group if group > 0 else max(C, 1), zero=zero, lut=NIBBLES if bits == 4 else None)
+                    group if group > 0 else max(C, 1), zero=zero, lut=NIBBLES if bits == 4 else None, zero_const=mid)
     return run(g, dtype, out, lambda: reference(stored, entry, dtype))
 
 

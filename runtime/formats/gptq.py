@@ -42,12 +42,13 @@ def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: t
     a = entry["format_attrs"]
     bits, group, offset = int(a["bits"]), int(a["group"]), int(a["zero_offset"])
     R, C = (int(d) for d in entry["logical_shape"])
-    z = unpack_cols(stored["zero"], bits)[:, :R].float() + offset  # [G, R]
     g_idx = stored.get("g_idx")
     g = None
-    if bits in (4, 8):
+    if bits in (4, 8):  # the zeros [G, R] decoded from qzeros' bytes by dequant.c: unpack_cols(qzeros) + offset
+        zero = stored["zero"]
         g = Grouped(as_bytes(stored["data"], stored["data"].shape[0]), f"wrow{bits}", stored["scale"], C, R, 1,
-                    group if group > 0 else max(C, 1), zero=z, g_idx=g_idx)
+                    group if group > 0 else max(C, 1), g_idx=g_idx, zero_codes=as_bytes(zero, zero.shape[0]),
+                    zero_kind="nibble" if bits == 4 else "uint8", zero_add=float(offset))
     return run(g, dtype, out, lambda: reference(stored, entry, dtype), transpose=True)
 
 

@@ -36,8 +36,9 @@ def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: t
     """The Linear weight [R, C] in `dtype` (into `out` when given): `reference`'s bits."""
     data = stored["data"]
     R, G = stored["scale"].shape
-    block = stored["scale"].float() * stored["scale_2"].float().reshape(())  # [R, G], as reference makes it
-    g = Grouped(as_bytes(data, R), "nibble", block, R, G * BLOCK, BLOCK, lut=FP4_VALUES)
+    # the block scales [R, G] are made by dequant.c (or _grouped's torch path) as reference makes them
+    g = Grouped(as_bytes(data, R), "nibble", stored["scale"], R, G * BLOCK, BLOCK, lut=FP4_VALUES,
+                scale_mul=stored["scale_2"])
     return run(g, dtype, out, lambda: reference(stored, entry, dtype))
 
 

@@ -2,8 +2,8 @@
 torch headers, so one build serves any torch): paged attention on the host over the KV pool in
 place (paged_attention.c, `moecc_runtime.native._paged_attention`), the sampler's pass over a
 step's logits on the host (sample_rows.c, `moecc_runtime.native._sample_rows`) and the formats'
-dequantize on the host (dequant.c, `moecc_runtime.native._dequant`: `dequant_library()`, called by
-moecc_runtime.formats._grouped).
+dequantize on the host (dequant.c, `moecc_runtime.native._dequant`: `dequant_rows()`, a Python
+function of the extension itself, called by moecc_runtime.formats._grouped).
 
 `available()` / `sampling_available()` say whether each was built; `paged_attention(...)` and
 `draw_rows(...)` call them on tensors. MOECC_NO_NATIVE=1 turns both off. The attention kernel's
@@ -13,9 +13,11 @@ builds (baseline, AVX2, AVX-512) and MOECC_NATIVE_ISA: isa.py (`attention_isa()`
 from __future__ import annotations
 
 import ctypes
+import importlib
 import importlib.util
 import os
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
@@ -39,13 +41,24 @@ _DRAW_ARGTYPES = [_PTR, _I64, _I64, _PTR, _I64,  # x, V, row stride, rows, R
 #: dequant.c (runtime/formats/_grouped.py calls it): codes, row bytes, kind, lut16, scale, zero, scale row
 #: stride, row groups, R, C, column group, row group, row0, out, out row stride, out dtype, threads
 _DEQUANT_ARGTYPES = [_PTR, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR,
-                     _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _INT, _INT]
+                     _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _INT, _INT, _INT, _F32, _F32,
+                     _PTR, _I64, _INT, _F32]
 
 
 def dequant_library() -> ctypes.CDLL | None:
     """The formats' host dequantize (dequant.c, `moecc_runtime.native._dequant`), or None when it
     was not built (or MOECC_NO_NATIVE is set)."""
     return _load("_dequant", "moecc_dequant_rows")
+
+
+@lru_cache(maxsize=None)
+def dequant_rows() -> Callable[..., int] | None:
+    """dequant.c's entry as a Python function (`_dequant.dequant_rows`, moecc_dequant_rows's
+    arguments with pointers as ints or None: no ctypes conversions), or None when it was not built
+    (or MOECC_NO_NATIVE is set)."""
+    if dequant_library() is None:
+        return None
+    return importlib.import_module("moecc_runtime.native._dequant").dequant_rows
 
 
 @lru_cache(maxsize=None)

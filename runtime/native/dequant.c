@@ -14,10 +14,14 @@
  * in fp32 (one rounding, the product's: the subtraction is of small integers, exact), and w is
  * stored in the output dtype rounded to nearest even, as torch's casts do. NaN codes stay NaN
  * (bf16 0xFFFF, as torch writes it). Rows are shared among threads through an atomic counter.
- * The AVX-512 path (16 columns at a time) runs when the CPU reports AVX-512F at run time; the
- * portable path is plain C. Both compute the same bits.
+ * The AVX-512 path (dequant_wide.h: 16 columns at a time; AVX-512 F, BW and DQ) runs when the CPU
+ * reports them at run time, built twice: with AVX512-BF16's vcvtneps2bf16 for the bf16 rounding
+ * (vectors holding a denormal or NaN take the integer rounding) and without. Nibble codes into a
+ * 16-bit dtype are looked up 32 at a time in their group's 16 results, made once per group with the
+ * same product and rounding. The portable path is plain C. All compute the same bits.
  *
- * No Python API: the runtime calls moecc_dequant_rows through ctypes (runtime/native). */
+ * Python calls it as _dequant.dequant_rows (METH_FASTCALL, below: a few hundred ns a call against
+ * ctypes' microseconds); moecc_dequant_rows is also exported for ctypes. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,11 +37,15 @@ enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
 typedef struct {
     const uint8_t *codes; int64_t row_bytes; int kind;
     float lut[256];                              /* code -> fp32 value (nibbles: the first 16) */
-    const float *scale, *zero; int64_t srow;     /* [*, srow] fp32; zero may be NULL */
+    const float *scale, *zero; int64_t srow;     /* [*, srow] fp32; zero may be NULL (then zconst) */
+    const uint8_t *scale8; float scale_mul;      /* or the scales as e4m3 codes, each times scale_mul */
+    float zconst;
+    const uint8_t *zcodes; int64_t zrow_bytes; int zkind; float zadd;  /* or zeros as codes (per column only):
+                                                   row i's column c is code c of zcodes + i * zrow_bytes, plus zadd */
     const int32_t *gidx;                         /* [R] row groups, or NULL */
     int64_t R, C, group_c, group_r, row0;
     void *out; int64_t out_stride; int out_dtype; /* out row r at out + r * out_stride elements */
-    int64_t rows_per_item, items, next;
+    int64_t rows_per_item, items, next; int failed;
 } Job;
 
 static uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -75,6 +83,10 @@ static float e4m3(uint8_t b) {
     const float mag = e ? ldexpf(1.0f + (float)m / 8.0f, (int)e - 7) : ldexpf((float)m, -9);
     return float_of(sign | bits_of(mag));
 }
+
+static float E4M3[256];  /* e4m3(b) for every byte (the scale grids of NVFP4), made once */
+static pthread_once_t e4m3_once = PTHREAD_ONCE_INIT;
+static void fill_e4m3(void) { for (int b = 0; b < 256; b++) E4M3[b] = e4m3((uint8_t)b); }
 
 /* float8 e5m2 byte -> fp32: the top byte of an fp16, widened exactly (NaN quieted) */
 static float e5m2(uint8_t b) {
@@ -119,67 +131,7 @@ static void segment_base(const Job *j, int64_t r, const uint8_t *p, int sh, int6
 /* columns [c0, c1) of row r, a scale (and zero) per column: s[c], z[c] */
 static void percol_base(const Job *j, int64_t r, const uint8_t *p, int sh, int64_t c0, int64_t c1, const float *s,
                         const float *z) {
-    for (int64_t c = c0; c < c1; c++) store1(j, r, c, (code1(j, p, sh, c) - (z ? z[c] : 0.0f)) * s[c]);
-}
-
-#ifdef HAVE_AVX2_CLONE
-#include <immintrin.h>
-#define AVX512 __attribute__((target("avx512f")))
-
-static int use_avx512(void) {
-    static int known = -1;
-    if (known < 0) { __builtin_cpu_init(); known = __builtin_cpu_supports("avx512f"); }
-    return known;
-}
-
-/* the 16 nibbles of the 8 bytes at p, low then high of each, through lut16 */
-AVX512 static inline __m512 nibble16(const uint8_t *p, __m512 lut16) {
-    const __m512i x = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)p));  /* [8] bytes */
-    const __m512i nib = _mm512_set1_epi64(15);
-    const __m512i idx = _mm512_or_si512(_mm512_and_si512(x, nib),
-                                        _mm512_slli_epi64(_mm512_and_si512(_mm512_srli_epi64(x, 4), nib), 32));
-    return _mm512_permutexvar_ps(idx, lut16);  /* lane 2k: byte k's low nibble, 2k+1: its high */
-}
-
-/* 16 codes from column c (even for nibbles, a multiple of 8 for AWQ) -> 16 fp32 values */
-AVX512 static inline __m512 code16(const Job *j, const uint8_t *p, int sh, int64_t c, __m512 lut16) {
-    if (j->kind == K_WROW4 || j->kind == K_WROW8) {
-        const __m512i w = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(p + 4 * c)), (unsigned)sh);
-        return _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(j->kind == K_WROW4 ? 15 : 255)));
-    }
-    if (j->kind == K_AWQ) {  /* the nibbles in word order, then each column's own */
-        const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-        return _mm512_permutexvar_ps(order, nibble16(p + (c >> 1), lut16));
-    }
-    if (j->kind == K_NIBBLE) return nibble16(p + (c >> 1), lut16);
-    const __m128i b = _mm_loadu_si128((const __m128i *)(p + c));
-    if (j->kind == K_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    const __m512i u = _mm512_cvtepu8_epi32(b);
-    if (j->kind == K_UINT8) return _mm512_cvtepi32_ps(u);
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 8);
-    if (j->kind == K_E5M2) return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(u, 8)));
-    /* e4m3: the magnitude's 7 bits at fp16's bit 7 are the value times 2^-8, subnormals too */
-    const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7F));
-    const __m512i h = _mm512_or_si512(sign, _mm512_slli_epi32(mag, 7));
-    const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_set1_ps(256.0f));
-    const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F));
-    const __m512i nanv = _mm512_or_si512(_mm512_slli_epi32(sign, 16), _mm512_set1_epi32(0x7FF00000));
-    return _mm512_mask_blend_ps(nan, v, _mm512_castsi512_ps(nanv));
-}
-
-AVX512 static inline void store16(const Job *j, int64_t r, int64_t c, __m512 w) {
-    const int64_t at = r * j->out_stride + c;
-    if (j->out_dtype == OUT_F32) { _mm512_storeu_ps((float *)j->out + at, w); return; }
-    __m256i h;
-    if (j->out_dtype == OUT_F16) h = _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    else {
-        const __m512i x = _mm512_castps_si512(w);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-        __m512i y = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-        y = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q), y, _mm512_set1_epi32(0xFFFF));
-        h = _mm512_cvtepi32_epi16(y);
-    }
-    _mm256_storeu_si256((__m256i *)((uint16_t *)j->out + at), h);
+    for (int64_t c = c0; c < c1; c++) store1(j, r, c, (code1(j, p, sh, c) - (z ? z[c] : j->zconst)) * s[c]);
 }
 
 /* columns up to the first that code16 may start at (AWQ: a multiple of 8), from c */
@@ -188,45 +140,91 @@ static int64_t vector_start(const Job *j, int64_t c) {
     return j->kind == K_NIBBLE ? c + (c & 1) : c;
 }
 
-AVX512 static void segment_avx512(const Job *j, int64_t r, const uint8_t *p, int sh, int64_t c0, int64_t c1, float s,
-                                  float z) {
-    const __m512 lut16 = _mm512_loadu_ps(j->lut), sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
-    int64_t c = vector_start(j, c0) < c1 ? vector_start(j, c0) : c1;
-    segment_base(j, r, p, sh, c0, c, s, z);
-    for (; c + 16 <= c1; c += 16) store16(j, r, c, _mm512_mul_ps(_mm512_sub_ps(code16(j, p, sh, c, lut16), zv), sv));
-    segment_base(j, r, p, sh, c, c1, s, z);
+/* scale i of the grid: fp32 as given, or an e4m3 code's value times scale_mul (one fp32 product) */
+static float scale_of(const Job *j, int64_t i) {
+    return j->scale8 ? E4M3[j->scale8[i]] * j->scale_mul : j->scale[i];
 }
 
-AVX512 static void percol_avx512(const Job *j, int64_t r, const uint8_t *p, int sh, const float *s, const float *z) {
-    const __m512 lut16 = _mm512_loadu_ps(j->lut);
-    int64_t c = 0;
-    for (; c + 16 <= j->C; c += 16) {
-        const __m512 v = code16(j, p, sh, c, lut16);
-        const __m512 d = z ? _mm512_sub_ps(v, _mm512_loadu_ps(z + c)) : _mm512_sub_ps(v, _mm512_setzero_ps());
-        store16(j, r, c, _mm512_mul_ps(d, _mm512_loadu_ps(s + c)));
+#ifdef HAVE_AVX2_CLONE
+#include <immintrin.h>
+enum { WIDE_NONE = 0, WIDE_AVX512 = 1, WIDE_AVX512_BF16 = 2 };
+
+/* the widest path this CPU runs: AVX-512 F+BW+DQ, and with AVX512-BF16 (its own feature bits,
+ * asked once; MOECC_DEQUANT_PORTABLE: none, MOECC_DEQUANT_NO_BF16: not the bf16 one) */
+static int wide_level(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                && __builtin_cpu_supports("avx512dq") ? WIDE_AVX512 : WIDE_NONE;
+        if (known && __builtin_cpu_supports("avx512bf16")) known = WIDE_AVX512_BF16;
     }
-    percol_base(j, r, p, sh, c, j->C, s, z);
+    if (getenv("MOECC_DEQUANT_PORTABLE")) return WIDE_NONE;
+    return known == WIDE_AVX512_BF16 && getenv("MOECC_DEQUANT_NO_BF16") ? WIDE_AVX512 : known;
 }
+
+#define WSFX w512
+#define WATTR __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define WBF16 0
+#include "dequant_wide.h"
+#undef WSFX
+#undef WATTR
+#undef WBF16
+#define WSFX bf16
+#define WATTR __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define WBF16 1
+#include "dequant_wide.h"
+#undef WSFX
+#undef WATTR
+#undef WBF16
 #endif
 
-static void one_row(const Job *j, int64_t r, int wide) {
+/* zero code c of a zero row zp (K_NIBBLE: GPTQ's qzeros, K_AWQ: AutoAWQ's, K_UINT8: bytes), exact */
+static float zero_code(int kind, const uint8_t *zp, int64_t c) {
+    if (kind == K_NIBBLE) return (float)((zp[c >> 1] >> ((c & 1) * 4)) & 15);
+    if (kind == K_AWQ) { const int n = AWQ_NIBBLE[c & 7]; return (float)((zp[(c >> 3) * 4 + (n >> 1)] >> ((n & 1) * 4)) & 15); }
+    return (float)zp[c];
+}
+
+/* A worker's decoded zero row (zeros given as codes): zbuf [C] holds zero row `row` */
+typedef struct { float *zbuf; int64_t row; } ZeroRow;
+
+static const float *zero_row(const Job *j, ZeroRow *zr, int64_t i) {
+    if (zr->row != i) {
+        const uint8_t *zp = j->zcodes + i * j->zrow_bytes;
+        for (int64_t c = 0; c < j->C; c++) zr->zbuf[c] = zero_code(j->zkind, zp, c) + j->zadd;
+        zr->row = i;
+    }
+    return zr->zbuf;
+}
+
+static void one_row(const Job *j, int64_t r, int wide, ZeroRow *zr) {
     int sh;
     const uint8_t *p = row_codes(j, r, &sh);
     const int64_t si = (j->gidx ? (int64_t)j->gidx[r] : (r + j->row0) / j->group_r) * j->srow;
     (void)wide;
     if (j->group_c == 1) {  /* a scale per column (GPTQ, AWQ as stored: rows are input channels) */
-        const float *s = j->scale + si, *z = j->zero ? j->zero + si : NULL;
+        const float *s = j->scale + si;
+        const float *z = j->zcodes ? zero_row(j, zr, si / j->srow) : j->zero ? j->zero + si : NULL;
 #ifdef HAVE_AVX2_CLONE
-        if (wide) { percol_avx512(j, r, p, sh, s, z); return; }
+        if (wide == WIDE_AVX512_BF16) { percol_bf16(j, r, p, sh, s, z); return; }
+        if (wide == WIDE_AVX512) { percol_w512(j, r, p, sh, s, z); return; }
 #endif
         percol_base(j, r, p, sh, 0, j->C, s, z);
         return;
     }
+#ifdef HAVE_AVX2_CLONE
+    if (j->group_c == 16 && j->C % 16 == 0 && j->kind != K_AWQ) {  /* NVFP4's blocks: one loop, no calls */
+        if (wide == WIDE_AVX512_BF16) { row_g16_bf16(j, r, p, sh, si); return; }
+        if (wide == WIDE_AVX512) { row_g16_w512(j, r, p, sh, si); return; }
+    }
+#endif
     for (int64_t c0 = 0, g = 0; c0 < j->C; c0 += j->group_c, g++) {
         const int64_t c1 = c0 + j->group_c < j->C ? c0 + j->group_c : j->C;
-        const float s = j->scale[si + g], z = j->zero ? j->zero[si + g] : 0.0f;
+        const float s = scale_of(j, si + g), z = j->zero ? j->zero[si + g] : j->zconst;
 #ifdef HAVE_AVX2_CLONE
-        if (wide) { segment_avx512(j, r, p, sh, c0, c1, s, z); continue; }
+        if (wide == WIDE_AVX512_BF16) { segment_bf16(j, r, p, sh, c0, c1, s, z); continue; }
+        if (wide == WIDE_AVX512) { segment_w512(j, r, p, sh, c0, c1, s, z); continue; }
 #endif
         segment_base(j, r, p, sh, c0, c1, s, z);
     }
@@ -236,14 +234,17 @@ static void *worker(void *arg) {
     Job *j = (Job *)arg;
     int wide = 0;
 #ifdef HAVE_AVX2_CLONE
-    wide = use_avx512() && !getenv("MOECC_DEQUANT_PORTABLE");
+    wide = wide_level();
 #endif
+    ZeroRow zr = {NULL, -1};
+    if (j->zcodes && !(zr.zbuf = malloc(sizeof(float) * (size_t)j->C))) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return NULL; }
     for (;;) {
         const int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (it >= j->items) break;
         const int64_t r1 = (it + 1) * j->rows_per_item < j->R ? (it + 1) * j->rows_per_item : j->R;
-        for (int64_t r = it * j->rows_per_item; r < r1; r++) one_row(j, r, wide);
+        for (int64_t r = it * j->rows_per_item; r < r1; r++) one_row(j, r, wide, &zr);
     }
+    free(zr.zbuf);
     return NULL;
 }
 
@@ -261,30 +262,71 @@ static void fill_lut(Job *j, const float *lut16) {
 
 #define MIN_ITEM_ELEMS 32768  /* a thread's work item: at least this many weights (whole rows) */
 
-/* Returns 0, or 1 when the arguments are inconsistent (nothing written). */
+/* Returns 0, 1 when the arguments are inconsistent (nothing written), or 2 when memory ran out. */
 int moecc_dequant_rows(const uint8_t *codes, int64_t row_bytes, int kind, const float *lut16, const float *scale,
                        const float *zero, int64_t srow, const int32_t *gidx, int64_t R, int64_t C, int64_t group_c,
-                       int64_t group_r, int64_t row0, void *out, int64_t out_stride, int out_dtype, int nthreads) {
+                       int64_t group_r, int64_t row0, void *out, int64_t out_stride, int out_dtype, int nthreads,
+                       int scale_e4m3, float scale_mul, float zconst, const uint8_t *zcodes, int64_t zrow_bytes,
+                       int zkind, float zadd) {
     const int64_t need = kind == K_NIBBLE ? (C + 1) / 2 : kind == K_AWQ ? (C + 7) / 8 * 4
                          : kind >= K_WROW4 ? 4 * C : C;  /* bytes a row's codes take */
     if (kind < K_INT8 || kind > K_WROW8 || out_dtype < OUT_F32 || out_dtype > OUT_F16 || group_c < 1 || group_r < 1
-        || R < 0 || C < 0 || row0 < 0 || ((kind == K_NIBBLE || kind == K_AWQ) && !lut16) || row_bytes < need)
+        || R < 0 || C < 0 || row0 < 0 || ((kind == K_NIBBLE || kind == K_AWQ) && !lut16) || row_bytes < need
+        || (scale_e4m3 && group_c == 1)  /* e4m3 scales: groups of columns only */
+        || (zcodes && (group_c != 1 || zero || (zkind != K_NIBBLE && zkind != K_AWQ && zkind != K_UINT8)
+                       || zrow_bytes < (zkind == K_UINT8 ? C : zkind == K_AWQ ? (C + 7) / 8 * 4 : (C + 1) / 2))))
         return 1;
     static Job zero_job;
     Job j = zero_job;
     j.codes = codes; j.row_bytes = row_bytes; j.kind = kind;
-    j.scale = scale; j.zero = zero; j.srow = srow; j.gidx = gidx;
+    j.scale = scale_e4m3 ? NULL : scale; j.scale8 = scale_e4m3 ? (const uint8_t *)scale : NULL;
+    j.scale_mul = scale_mul; j.zconst = zconst; j.zero = zero; j.srow = srow; j.gidx = gidx;
+    j.zcodes = zcodes; j.zrow_bytes = zrow_bytes; j.zkind = zkind; j.zadd = zadd;
     j.R = R; j.C = C; j.group_c = group_c; j.group_r = group_r; j.row0 = row0;
     j.out = out; j.out_stride = out_stride; j.out_dtype = out_dtype;
     fill_lut(&j, lut16);
+    pthread_once(&e4m3_once, fill_e4m3);
     if (R == 0 || C == 0) return 0;
     j.rows_per_item = C >= MIN_ITEM_ELEMS ? 1 : (MIN_ITEM_ELEMS + C - 1) / C;
     j.items = (R + j.rows_per_item - 1) / j.rows_per_item;
     run_threads(worker, &j, nthreads, j.items);
-    return 0;
+    return j.failed ? 2 : 0;
 }
 
+/* dequant_rows(<moecc_dequant_rows's 24 arguments, the 3 floats last>) -> its return code: the same call from Python
+ * without ctypes' per-argument conversions (a decode step makes a hundred of them). Pointers are
+ * ints (data_ptr()) or None; the work runs without the GIL, as a ctypes call's does. */
+static PyObject *py_dequant_rows(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    if (n != 24) return PyErr_Format(PyExc_TypeError, "dequant_rows takes 24 arguments (%zd given)", n);
+    long long v[21];
+    for (int i = 0; i < 21; i++) {
+        v[i] = args[i] == Py_None ? 0 : PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    const double scale_mul = PyFloat_AsDouble(args[21]), zconst = PyFloat_AsDouble(args[22]),
+                 zadd = PyFloat_AsDouble(args[23]);
+    if (PyErr_Occurred()) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = moecc_dequant_rows((const uint8_t *)(intptr_t)v[0], v[1], (int)v[2], (const float *)(intptr_t)v[3],
+                            (const float *)(intptr_t)v[4], (const float *)(intptr_t)v[5], v[6],
+                            (const int32_t *)(intptr_t)v[7], v[8], v[9], v[10], v[11], v[12], (void *)(intptr_t)v[13],
+                            v[14], (int)v[15], (int)v[16], (int)v[17], (float)scale_mul, (float)zconst,
+                            (const uint8_t *)(intptr_t)v[18], v[19], (int)v[20], (float)zadd);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+static PyMethodDef methods[] = {
+    {"dequant_rows", (PyCFunction)(void (*)(void))py_dequant_rows, METH_FASTCALL,
+     "moecc_dequant_rows(...) from Python: (codes, row_bytes, kind, lut16, scale, zero, srow, gidx, R, C, "
+     "group_c, group_r, row0, out, out_stride, out_dtype, nthreads, scale_e4m3, zcodes, zrow_bytes, zkind, "
+     "scale_mul, zconst, zadd) -> 0, 1 (inconsistent arguments) or 2 (out of memory)"},
+    {NULL, NULL, 0, NULL}};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dequant",
-                                    "moecc's grouped dequantization on the host (called through ctypes).", -1, NULL};
+                                    "moecc's grouped dequantization on the host (dequant_rows, or moecc_dequant_rows "
+                                    "through ctypes).", -1, methods};
 
 PyMODINIT_FUNC PyInit__dequant(void) { return PyModule_Create(&module); }

@@ -156,7 +156,7 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
                              f"{want[tuple(bad[0])]}"
 
 
-@pytest.fixture(params=["native", "native-threaded", "portable", "torch", "torch-chunked"])
+@pytest.fixture(params=["native", "native-threaded", "native-no-bf16", "portable", "torch", "torch-chunked"])
 def path(request, monkeypatch) -> str:
     if request.param.startswith(("native", "portable")) and native.dequant_library() is None:
         pytest.skip("dequant.c was not built (python setup.py build_ext --inplace)")
@@ -164,6 +164,8 @@ def path(request, monkeypatch) -> str:
         monkeypatch.setattr(_grouped, "NATIVE_THREADED_MIN", 0)
     if request.param == "portable":
         monkeypatch.setenv("MOECC_DEQUANT_PORTABLE", "1")
+    if request.param == "native-no-bf16":  # AVX-512 without its bf16 conversion (on a CPU that has it)
+        monkeypatch.setenv("MOECC_DEQUANT_NO_BF16", "1")
     if request.param.startswith("torch"):
         monkeypatch.setattr(native, "dequant_library", lambda: None)
     if request.param == "torch-chunked":
@@ -187,6 +189,25 @@ def test_into_out_buffer(case: Case) -> None:
     assert got.data_ptr() >= buf.data_ptr() + 8 and got.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
     assert_same_bits(got, reference(stored, entry, torch.bfloat16))
     assert buf[:4].isnan().all() and buf[-4:].isnan().all()  # nothing written outside `out`
+
+
+@pytest.mark.parametrize("fmt", ["int8_channel", "int4_group"])
+def test_denormal_inf_and_nan_results_round_as_torch(fmt: str, path: str) -> None:
+    """Results that vcvtneps2bf16 would round otherwise (fp32 denormals: it reads them as zero;
+    NaNs from 0 x inf: it keeps their sign) take the integer rounding, lane for lane."""
+    R, C = 6, 64
+    scale = torch.tensor([1e-39, 3e-41, float("inf"), -float("inf"), 1e-45, 2.0])  # [R]
+    if fmt == "int8_channel":
+        data = _bytes(R, C, seed=3).view(torch.int8)
+        data[:, :4] = 0  # 0 x inf: NaN
+        st, entry, ref = {"data": data, "scale": scale}, _entry(fmt, [R, C]), int8_channel.reference
+    else:
+        data = _bytes(R, C // 2, seed=4)
+        data[:, :2] = 0x88  # nibble 8 less zero 8: 0 x inf
+        st = {"data": data, "scale": scale[:, None].repeat(1, 2), "zero": torch.full((R, 2), 8, dtype=torch.uint8)}
+        entry, ref = _entry(fmt, [R, C], group=32, transpose=False), int4_group.reference
+    for dtype in DTYPES:
+        assert_same_bits(materialize(entry, st, dtype), ref(st, entry, dtype))
 
 
 def test_nan_codes_stay_nan() -> None:
