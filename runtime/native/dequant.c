@@ -163,6 +163,8 @@ static int wide_level(void) {
     return known == WIDE_AVX512_BF16 && getenv("MOECC_DEQUANT_NO_BF16") ? WIDE_AVX512 : known;
 }
 
+#define E4M3_TABLE_MIN_GROUP 64  /* e4m3 by tables for groups of this many columns or more */
+
 #define WSFX w512
 #define WATTR __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define WBF16 0
@@ -186,8 +188,10 @@ static float zero_code(int kind, const uint8_t *zp, int64_t c) {
     return (float)zp[c];
 }
 
-/* A worker's decoded zero row (zeros given as codes): zbuf [C] holds zero row `row` */
-typedef struct { float *zbuf; int64_t row; } ZeroRow;
+/* A worker's scratch: its decoded zero row (zeros given as codes: zbuf [C] holds zero row `row`)
+ * and, for e4m3 codes into a 16-bit dtype, each column group's table of the 128 magnitudes'
+ * results (tabs [G][128], made for scale index tab_key[g]) */
+typedef struct { float *zbuf; int64_t row; uint16_t *tabs; int64_t *tab_key; } ZeroRow;
 
 static const float *zero_row(const Job *j, ZeroRow *zr, int64_t i) {
     if (zr->row != i) {
@@ -223,6 +227,16 @@ static void one_row(const Job *j, int64_t r, int wide, ZeroRow *zr) {
         const int64_t c1 = c0 + j->group_c < j->C ? c0 + j->group_c : j->C;
         const float s = scale_of(j, si + g), z = j->zero ? j->zero[si + g] : j->zconst;
 #ifdef HAVE_AVX2_CLONE
+        if (zr->tabs && z == 0.0f && isfinite(s) && wide) {  /* e4m3 by its block's table */
+            uint16_t *tab = zr->tabs + g * 128;
+            if (zr->tab_key[g] != si + g) {
+                if (wide == WIDE_AVX512_BF16) e4m3_table_bf16(j, s, tab); else e4m3_table_w512(j, s, tab);
+                zr->tab_key[g] = si + g;
+            }
+            if (wide == WIDE_AVX512_BF16) e4m3_segment_bf16(j, r, p, c0, c1, s, tab);
+            else e4m3_segment_w512(j, r, p, c0, c1, s, tab);
+            continue;
+        }
         if (wide == WIDE_AVX512_BF16) { segment_bf16(j, r, p, sh, c0, c1, s, z); continue; }
         if (wide == WIDE_AVX512) { segment_w512(j, r, p, sh, c0, c1, s, z); continue; }
 #endif
@@ -236,15 +250,27 @@ static void *worker(void *arg) {
 #ifdef HAVE_AVX2_CLONE
     wide = wide_level();
 #endif
-    ZeroRow zr = {NULL, -1};
-    if (j->zcodes && !(zr.zbuf = malloc(sizeof(float) * (size_t)j->C))) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return NULL; }
+    ZeroRow zr = {NULL, -1, NULL, NULL};
+    const int64_t G = (j->C + j->group_c - 1) / j->group_c;
+    int ok = !j->zcodes || (zr.zbuf = malloc(sizeof(float) * (size_t)j->C));
+    if (ok && wide && j->kind == K_E4M3 && j->out_dtype != OUT_F32 && j->group_c >= E4M3_TABLE_MIN_GROUP) {
+        zr.tabs = malloc(sizeof(uint16_t) * 128 * (size_t)G);
+        zr.tab_key = malloc(sizeof(int64_t) * (size_t)G);
+        if (!zr.tabs || !zr.tab_key) ok = 0;
+        else for (int64_t g = 0; g < G; g++) zr.tab_key[g] = -1;
+    }
+    if (!ok) {
+        free(zr.zbuf); free(zr.tabs); free(zr.tab_key);
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return NULL;
+    }
     for (;;) {
         const int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (it >= j->items) break;
         const int64_t r1 = (it + 1) * j->rows_per_item < j->R ? (it + 1) * j->rows_per_item : j->R;
         for (int64_t r = it * j->rows_per_item; r < r1; r++) one_row(j, r, wide, &zr);
     }
-    free(zr.zbuf);
+    free(zr.zbuf); free(zr.tabs); free(zr.tab_key);
     return NULL;
 }
 

@@ -97,6 +97,24 @@ WATTR static void W(segment)(const Job *j, int64_t r, const uint8_t *p, int sh, 
         const __m512 tab_f = _mm512_mul_ps(_mm512_sub_ps(lut16, zv), sv);  /* [16] fp32 results by nibble */
         if (j->out_dtype != OUT_F32) c = W(nibble_table16)(j, r, p, c, c1, tab_f);
         for (; c + 16 <= c1; c += 16) W(store16)(j, r, c, W(code16)(j, p, sh, c, tab_f));
+#if WBF16
+    } else if (j->out_dtype == OUT_BF16 && (j->kind == K_INT8 || j->kind == K_UINT8)
+               && fabsf(s) >= 0x1p-100f && fabsf(s) <= 0x1p100f && fabsf(z) <= 0x1p20f && z == nearbyintf(z)) {
+        /* integer codes less an integer zero, times a scale of moderate size: each product is 0 or
+         * a normal number, which vcvtneps2bf16 rounds as to_bf16 does: no per-vector check */
+        uint16_t *restrict o = (uint16_t *)j->out + r * j->out_stride;
+        const int sign = j->kind == K_INT8;  /* locals: the stores may not alias them (no reload per vector) */
+        for (; c + 32 <= c1; c += 32) {
+            const __m128i b0 = _mm_loadu_si128((const __m128i *)(p + c)), b1 = _mm_loadu_si128((const __m128i *)(p + c + 16));
+            const __m512 v0 = _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0));
+            const __m512 v1 = _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1));
+            _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_sub_ps(v1, zv), sv),
+                                                                          _mm512_mul_ps(_mm512_sub_ps(v0, zv), sv)));
+        }
+        for (; c + 16 <= c1; c += 16)
+            _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(
+                _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c, lut16), zv), sv)));
+#endif
     } else {
         for (; c + 16 <= c1; c += 16) W(store16)(j, r, c, _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c, lut16), zv), sv));
     }
@@ -108,6 +126,24 @@ WATTR static void W(segment)(const Job *j, int64_t r, const uint8_t *p, int sh, 
 WATTR static void W(percol)(const Job *j, int64_t r, const uint8_t *p, int sh, const float *s, const float *z) {
     const __m512 lut16 = _mm512_loadu_ps(j->lut), zc = _mm512_set1_ps(j->zconst);
     int64_t c = 0;
+#if WBF16
+    if (j->out_dtype == OUT_BF16) {  /* 32 columns a time, one check and one conversion for both halves */
+        uint16_t *restrict o = (uint16_t *)j->out + r * j->out_stride;
+        const int64_t C = j->C;
+        for (; c + 32 <= C; c += 32) {
+            const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c, lut16), z ? _mm512_loadu_ps(z + c) : zc),
+                                            _mm512_loadu_ps(s + c));
+            const __m512 w1 = _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c + 16, lut16),
+                                                          z ? _mm512_loadu_ps(z + c + 16) : zc), _mm512_loadu_ps(s + c + 16));
+            if (_mm512_fpclass_ps_mask(w0, 0x01 | 0x80 | 0x20) | _mm512_fpclass_ps_mask(w1, 0x01 | 0x80 | 0x20)) {
+                W(store16)(j, r, c, w0);  /* a denormal or NaN lane: the integer rounding */
+                W(store16)(j, r, c + 16, w1);
+            } else {
+                _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+            }
+        }
+    }
+#endif
     for (; c + 16 <= j->C; c += 16) {
         const __m512 v = W(code16)(j, p, sh, c, lut16);
         const __m512 d = _mm512_sub_ps(v, z ? _mm512_loadu_ps(z + c) : zc);
@@ -125,6 +161,37 @@ WATTR static void W(row_g16)(const Job *j, int64_t r, const uint8_t *p, int sh, 
         W(store16)(j, r, c, _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c, lut16), z), _mm512_set1_ps(scale_of(j, g))));
     }
     _mm256_zeroupper();
+}
+
+/* e4m3 codes into a 16-bit dtype, scale s finite, no zero point: tab [128] the results of the 128
+ * magnitudes (E4M3[m] * s rounded, as each element's), a code's the table's with its sign bit
+ * flipped by the code's (exact: (-m) * s = -(m * s), and rounding to nearest even is symmetric) */
+WATTR static void W(e4m3_table)(const Job *j, float s, uint16_t *tab) {
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int i = 0; i < 128; i += 16)
+        _mm256_storeu_si256((__m256i *)(tab + i), W(half16)(j, _mm512_mul_ps(_mm512_loadu_ps(E4M3 + i), sv)));
+}
+
+/* columns [c0, c1) of row r by tab (e4m3_table's for this group), 32 a time by vpermi2w */
+WATTR static void W(e4m3_segment)(const Job *j, int64_t r, const uint8_t *p, int64_t c0, int64_t c1, float s,
+                                  const uint16_t *tab) {
+    const __m512i t0 = _mm512_loadu_si512(tab), t1 = _mm512_loadu_si512(tab + 32);
+    const __m512i t2 = _mm512_loadu_si512(tab + 64), t3 = _mm512_loadu_si512(tab + 96);
+    const __m512i m7 = _mm512_set1_epi16(0x7F), b6 = _mm512_set1_epi16(0x40), b7 = _mm512_set1_epi16(0x80);
+    uint16_t *o = (uint16_t *)j->out + r * j->out_stride;
+    int64_t c = c0;
+    for (; c + 32 <= c1; c += 32) {
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + c)));  /* [32] codes */
+        const __m512i m = _mm512_and_si512(b, m7);                                                /* magnitudes */
+        __m512i w = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(m, b6), _mm512_permutex2var_epi16(t0, m, t1),
+                                            _mm512_permutex2var_epi16(t2, m, t3));
+        w = _mm512_xor_si512(w, _mm512_slli_epi16(_mm512_and_si512(b, b7), 8));
+        if (j->out_dtype == OUT_BF16)  /* the NaN code: 0xFFFF whatever its sign, as to_bf16 writes NaN */
+            w = _mm512_mask_mov_epi16(w, _mm512_cmpeq_epi16_mask(m, m7), _mm512_set1_epi16(-1));
+        _mm512_storeu_si512((void *)(o + c), w);
+    }
+    _mm256_zeroupper();
+    segment_base(j, r, p, 0, c, c1, s, 0.0f);
 }
 
 #undef W

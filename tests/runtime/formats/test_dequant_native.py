@@ -191,7 +191,7 @@ def test_into_out_buffer(case: Case) -> None:
     assert buf[:4].isnan().all() and buf[-4:].isnan().all()  # nothing written outside `out`
 
 
-@pytest.mark.parametrize("fmt", ["int8_channel", "int4_group"])
+@pytest.mark.parametrize("fmt", ["int8_channel", "int4_group", "awq_gemm"])
 def test_denormal_inf_and_nan_results_round_as_torch(fmt: str, path: str) -> None:
     """Results that vcvtneps2bf16 would round otherwise (fp32 denormals: it reads them as zero;
     NaNs from 0 x inf: it keeps their sign) take the integer rounding, lane for lane."""
@@ -201,6 +201,11 @@ def test_denormal_inf_and_nan_results_round_as_torch(fmt: str, path: str) -> Non
         data = _bytes(R, C, seed=3).view(torch.int8)
         data[:, :4] = 0  # 0 x inf: NaN
         st, entry, ref = {"data": data, "scale": scale}, _entry(fmt, [R, C]), int8_channel.reference
+    elif fmt == "awq_gemm":  # a scale per column (the percol path), 32 columns a vector pair
+        sc = torch.tensor([1e-39, 2.0, float("inf"), 3e-41] * 16)  # [64] output channels
+        st = {"data": _words(32, 8, seed=5), "zero": _words(1, 8, seed=6), "scale": sc[None, :]}
+        st["data"][:, 0] = 0  # 0 less zero 0 (some columns) x inf: NaN
+        entry, ref = _entry(fmt, [C, 32], group=32), awq.reference
     else:
         data = _bytes(R, C // 2, seed=4)
         data[:, :2] = 0x88  # nibble 8 less zero 8: 0 x inf
@@ -210,12 +215,17 @@ def test_denormal_inf_and_nan_results_round_as_torch(fmt: str, path: str) -> Non
         assert_same_bits(materialize(entry, st, dtype), ref(st, entry, dtype))
 
 
-def test_nan_codes_stay_nan() -> None:
-    data = torch.tensor([[0x7F, 0xFF, 0x01, 0x80] * 8], dtype=torch.uint8).view(torch.float8_e4m3fn)  # [1, 32]
-    st = {"data": data, "scale": torch.ones(1, 1)}
-    for dtype in DTYPES:
-        got = materialize(_entry("fp8_block", [1, 32], block=[128, 128]), st, dtype)
-        assert torch.equal(got.isnan(), fp8_block.reference(st, {"format_attrs": {}}, dtype).isnan())
+def test_nan_codes_stay_nan(path: str) -> None:
+    """NaN codes of both signs, and signed zeros, under positive and negative scales: the same bits
+    as the reference (e4m3 into a 16-bit dtype goes through its block's table of magnitudes)."""
+    data = torch.tensor([[0x7F, 0xFF, 0x01, 0x80, 0x00, 0x81] * 22], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    for sc in (1.0, -3.0):
+        st = {"data": data, "scale": torch.full((1, 2), sc)}  # [1, 132]: a table group and a tail
+        for dtype in DTYPES:
+            got = materialize(_entry("fp8_block", [1, 132], block=[128, 128]), st, dtype)
+            want = fp8_block.reference(st, {"format_attrs": {"block": [128, 128]}}, dtype)
+            assert torch.equal(got.isnan(), want.isnan())
+            assert_same_bits(got, want)
 
 
 def test_rejects_a_wrong_out_buffer() -> None:
