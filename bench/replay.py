@@ -31,18 +31,20 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
 #: keys whose values differ between two compiles of the same input (paths, clocks)
 VOLATILE = {"dir", "seconds", "compile_seconds", "wall_seconds", "solve_seconds", "solver_seconds", "wall_time"}
+#: values at these paths differ too: the host-memory sentence quotes the machine's free memory at compile time
+VOLATILE_PATHS = {("memory", "host_model", "budget")}
 
 
-def canonical(x: Any) -> Any:
+def canonical(x: Any, path: tuple[str, ...] = ()) -> Any:
     """Plain JSON-able data: tensors as {dtype, shape, values}, tuples as lists, sorted keys;
-    volatile keys dropped."""
+    volatile keys (and paths) dropped."""
     if isinstance(x, torch.Tensor):
         return {"tensor": str(x.dtype), "shape": list(x.shape), "values": x.flatten().tolist()}
     if isinstance(x, dict):
-        return {str(k): canonical(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))
-                if str(k) not in VOLATILE}
+        return {str(k): canonical(v, (*path, str(k))) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))
+                if str(k) not in VOLATILE and (*path, str(k)) not in VOLATILE_PATHS}
     if isinstance(x, (list, tuple)):
-        return [canonical(v) for v in x]
+        return [canonical(v, path) for v in x]
     if isinstance(x, float) and not math.isfinite(x):
         return repr(x)
     return x

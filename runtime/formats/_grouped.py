@@ -45,7 +45,7 @@ NIBBLES = tuple(float(i) for i in range(16))  # a nibble read as its unsigned va
 CHUNK = 1 << 20  # elements of fp32 temporaries per chunk on the torch path (4 MiB each)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Grouped:
     """A weight's stored codes and scale grid as dequant.c reads them (see the module docstring)."""
 
@@ -115,7 +115,7 @@ def _native(g: Grouped, out: torch.Tensor) -> None:
     scale = (g.scale.contiguous().view(torch.uint8) if g.scale_mul is not None  # e4m3 codes, decoded by dequant.c
              else g.scale.float().contiguous())
     zero = g.zero.float().contiguous() if g.zero is not None else None
-    lut = _lut(g.lut) if g.lut is not None else None
+    lut = _lut(g.lut, _CPU) if g.lut is not None else None
     gidx = g.g_idx.to(torch.int32).contiguous() if g.g_idx is not None else None
     zc = g.zero_codes.contiguous() if g.zero_codes is not None else None
     rc = fn(codes.data_ptr(), codes.stride(0) if codes.shape[0] > 1 else codes.shape[-1], KINDS[g.kind][0],
@@ -130,12 +130,13 @@ def _native(g: Grouped, out: torch.Tensor) -> None:
                          f"groups {g.group_r}x{g.group_c}): a format described its stored tensors wrongly")
 
 
+_CPU = torch.device("cpu")
 _LUTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
 
 def _lut(values: tuple[float, ...], device: torch.device | str = "cpu") -> torch.Tensor:
     """[16] fp32 of a nibble table on `device` (made once per table and device: no copy per use)."""
-    key = (values, torch.device(device))
+    key = (values, device if isinstance(device, torch.device) else torch.device(device))
     t = _LUTS.get(key)
     if t is None:
         t = _LUTS[key] = torch.tensor(values, dtype=torch.float32, device=key[1])

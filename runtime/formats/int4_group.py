@@ -36,8 +36,8 @@ def materialize(stored: dict[str, torch.Tensor], entry: dict[str, Any], dtype: t
     data, scale = stored["data"], stored["scale"]
     attrs = entry.get("format_attrs", {})
     R, C = (int(d) for d in _stored_shape(entry))
-    zero = stored["zero"] if "zero" in stored else torch.full_like(scale, SYMMETRIC_ZERO, dtype=torch.float32)
-    g = Grouped(as_bytes(data, R), "nibble", scale, R, C, int(attrs["group"]), zero=zero, lut=NIBBLES)
+    g = Grouped(as_bytes(data, R), "nibble", scale, R, C, int(attrs["group"]), zero=stored.get("zero"), lut=NIBBLES,
+                zero_const=float(SYMMETRIC_ZERO))  # symmetric: every zero point 8, as reference's
     return run(g, dtype, out, lambda: reference(stored, entry, dtype), bool(attrs.get("transpose")))
 
 
