@@ -34,7 +34,8 @@ print("check_install: imports from", sys.prefix)
 import moecc_runtime.native as native
 assert native.available(), "the wheel carries no host attention kernel (moecc_runtime.native._paged_attention)"
 assert native.sampling_available(), "the wheel carries no sampler host pass (moecc_runtime.native._sample_rows)"
-print("check_install: host attention kernel built into the wheel")
+assert native.dequant_rows() is not None, "the wheel carries no host dequantize (moecc_runtime.native._dequant)"
+print("check_install: host attention kernel, sampler pass and dequantize built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"
 "$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt
