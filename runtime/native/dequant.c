@@ -84,7 +84,7 @@ static float e4m3(uint8_t b) {
     return float_of(sign | bits_of(mag));
 }
 
-static float E4M3[256];  /* e4m3(b) for every byte (the scale grids of NVFP4), made once */
+static float E4M3[256];  /* e4m3(b) for every byte (fp8 codes, NVFP4's scale grids), made once */
 static pthread_once_t e4m3_once = PTHREAD_ONCE_INIT;
 static void fill_e4m3(void) { for (int b = 0; b < 256; b++) E4M3[b] = e4m3((uint8_t)b); }
 
@@ -191,9 +191,9 @@ static float zero_code(int kind, const uint8_t *zp, int64_t c) {
 /* A worker's scratch: its decoded zero row (zeros given as codes: zbuf [C] holds zero row `row`)
  * and, for e4m3 codes into a 16-bit dtype, each column group's table of the 128 magnitudes'
  * results (tabs [G][128], made for scale index tab_key[g]) */
-typedef struct { float *zbuf; int64_t row; uint16_t *tabs; int64_t *tab_key; } ZeroRow;
+typedef struct { float *zbuf; int64_t row; uint16_t *tabs; int64_t *tab_key; } RowScratch;
 
-static const float *zero_row(const Job *j, ZeroRow *zr, int64_t i) {
+static const float *zero_row(const Job *j, RowScratch *zr, int64_t i) {
     if (zr->row != i) {
         const uint8_t *zp = j->zcodes + i * j->zrow_bytes;
         for (int64_t c = 0; c < j->C; c++) zr->zbuf[c] = zero_code(j->zkind, zp, c) + j->zadd;
@@ -202,7 +202,7 @@ static const float *zero_row(const Job *j, ZeroRow *zr, int64_t i) {
     return zr->zbuf;
 }
 
-static void one_row(const Job *j, int64_t r, int wide, ZeroRow *zr) {
+static void one_row(const Job *j, int64_t r, int wide, RowScratch *zr) {
     int sh;
     const uint8_t *p = row_codes(j, r, &sh);
     const int64_t si = (j->gidx ? (int64_t)j->gidx[r] : (r + j->row0) / j->group_r) * j->srow;
@@ -250,7 +250,7 @@ static void *worker(void *arg) {
 #ifdef HAVE_AVX2_CLONE
     wide = wide_level();
 #endif
-    ZeroRow zr = {NULL, -1, NULL, NULL};
+    RowScratch zr = {NULL, -1, NULL, NULL};
     const int64_t G = (j->C + j->group_c - 1) / j->group_c;
     int ok = !j->zcodes || (zr.zbuf = malloc(sizeof(float) * (size_t)j->C));
     if (ok && wide && j->kind == K_E4M3 && j->out_dtype != OUT_F32 && j->group_c >= E4M3_TABLE_MIN_GROUP) {
@@ -279,7 +279,7 @@ static void fill_lut(Job *j, const float *lut16) {
         switch (j->kind) {
         case K_INT8: j->lut[b] = (float)(int8_t)b; break;
         case K_UINT8: j->lut[b] = (float)b; break;
-        case K_E4M3: j->lut[b] = e4m3((uint8_t)b); break;
+        case K_E4M3: j->lut[b] = E4M3[b]; break;  /* made once (fill_e4m3), not per call */
         case K_E5M2: j->lut[b] = e5m2((uint8_t)b); break;
         default: j->lut[b] = b < 16 && lut16 ? lut16[b] : 0.0f;
         }
@@ -310,8 +310,8 @@ int moecc_dequant_rows(const uint8_t *codes, int64_t row_bytes, int kind, const 
     j.zcodes = zcodes; j.zrow_bytes = zrow_bytes; j.zkind = zkind; j.zadd = zadd;
     j.R = R; j.C = C; j.group_c = group_c; j.group_r = group_r; j.row0 = row0;
     j.out = out; j.out_stride = out_stride; j.out_dtype = out_dtype;
-    fill_lut(&j, lut16);
     pthread_once(&e4m3_once, fill_e4m3);
+    fill_lut(&j, lut16);
     if (R == 0 || C == 0) return 0;
     j.rows_per_item = C >= MIN_ITEM_ELEMS ? 1 : (MIN_ITEM_ELEMS + C - 1) / C;
     j.items = (R + j.rows_per_item - 1) / j.rows_per_item;

@@ -71,6 +71,20 @@ WATTR static inline void W(store16)(const Job *j, int64_t r, int64_t c, __m512 w
     _mm256_storeu_si256((__m256i *)((uint16_t *)j->out + at), W(half16)(j, w));
 }
 
+/* 32 fp32 values (w0 then w1) stored from column c: in bf16 with one check and one vcvtne2ps2bf16
+ * for both halves where the build has it (a denormal or NaN lane: store16's integer rounding) */
+WATTR static inline void W(store32)(const Job *j, int64_t r, int64_t c, __m512 w0, __m512 w1) {
+#if WBF16
+    if (j->out_dtype == OUT_BF16
+        && !(_mm512_fpclass_ps_mask(w0, 0x01 | 0x80 | 0x20) | _mm512_fpclass_ps_mask(w1, 0x01 | 0x80 | 0x20))) {
+        _mm512_storeu_si512((void *)((uint16_t *)j->out + r * j->out_stride + c), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        return;
+    }
+#endif
+    W(store16)(j, r, c, w0);
+    W(store16)(j, r, c + 16, w1);
+}
+
 /* Nibble codes (K_NIBBLE) into a 16-bit dtype, columns [c, c1) from an even c: the group's 16
  * possible results made once (the same fp32 product and rounding as each element's), then 32
  * columns a time by table lookup (vpermw). Returns the first column not written. */
@@ -97,25 +111,10 @@ WATTR static void W(segment)(const Job *j, int64_t r, const uint8_t *p, int sh, 
         const __m512 tab_f = _mm512_mul_ps(_mm512_sub_ps(lut16, zv), sv);  /* [16] fp32 results by nibble */
         if (j->out_dtype != OUT_F32) c = W(nibble_table16)(j, r, p, c, c1, tab_f);
         for (; c + 16 <= c1; c += 16) W(store16)(j, r, c, W(code16)(j, p, sh, c, tab_f));
-#if WBF16
-    } else if (j->out_dtype == OUT_BF16 && (j->kind == K_INT8 || j->kind == K_UINT8)
-               && fabsf(s) >= 0x1p-100f && fabsf(s) <= 0x1p100f && fabsf(z) <= 0x1p20f && z == nearbyintf(z)) {
-        /* integer codes less an integer zero, times a scale of moderate size: each product is 0 or
-         * a normal number, which vcvtneps2bf16 rounds as to_bf16 does: no per-vector check */
-        uint16_t *restrict o = (uint16_t *)j->out + r * j->out_stride;
-        const int sign = j->kind == K_INT8;  /* locals: the stores may not alias them (no reload per vector) */
-        for (; c + 32 <= c1; c += 32) {
-            const __m128i b0 = _mm_loadu_si128((const __m128i *)(p + c)), b1 = _mm_loadu_si128((const __m128i *)(p + c + 16));
-            const __m512 v0 = _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0));
-            const __m512 v1 = _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1));
-            _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_sub_ps(v1, zv), sv),
-                                                                          _mm512_mul_ps(_mm512_sub_ps(v0, zv), sv)));
-        }
-        for (; c + 16 <= c1; c += 16)
-            _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(
-                _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c, lut16), zv), sv)));
-#endif
     } else {
+        for (; c + 32 <= c1; c += 32)
+            W(store32)(j, r, c, _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c, lut16), zv), sv),
+                       _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c + 16, lut16), zv), sv));
         for (; c + 16 <= c1; c += 16) W(store16)(j, r, c, _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c, lut16), zv), sv));
     }
     _mm256_zeroupper();  /* before plain C runs again: SSE code after dirty upper halves stalls */
@@ -126,24 +125,11 @@ WATTR static void W(segment)(const Job *j, int64_t r, const uint8_t *p, int sh, 
 WATTR static void W(percol)(const Job *j, int64_t r, const uint8_t *p, int sh, const float *s, const float *z) {
     const __m512 lut16 = _mm512_loadu_ps(j->lut), zc = _mm512_set1_ps(j->zconst);
     int64_t c = 0;
-#if WBF16
-    if (j->out_dtype == OUT_BF16) {  /* 32 columns a time, one check and one conversion for both halves */
-        uint16_t *restrict o = (uint16_t *)j->out + r * j->out_stride;
-        const int64_t C = j->C;
-        for (; c + 32 <= C; c += 32) {
-            const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c, lut16), z ? _mm512_loadu_ps(z + c) : zc),
-                                            _mm512_loadu_ps(s + c));
-            const __m512 w1 = _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c + 16, lut16),
-                                                          z ? _mm512_loadu_ps(z + c + 16) : zc), _mm512_loadu_ps(s + c + 16));
-            if (_mm512_fpclass_ps_mask(w0, 0x01 | 0x80 | 0x20) | _mm512_fpclass_ps_mask(w1, 0x01 | 0x80 | 0x20)) {
-                W(store16)(j, r, c, w0);  /* a denormal or NaN lane: the integer rounding */
-                W(store16)(j, r, c + 16, w1);
-            } else {
-                _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
-            }
-        }
-    }
-#endif
+    for (; c + 32 <= j->C; c += 32)
+        W(store32)(j, r, c, _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c, lut16), z ? _mm512_loadu_ps(z + c) : zc),
+                                          _mm512_loadu_ps(s + c)),
+                   _mm512_mul_ps(_mm512_sub_ps(W(code16)(j, p, sh, c + 16, lut16), z ? _mm512_loadu_ps(z + c + 16) : zc),
+                                 _mm512_loadu_ps(s + c + 16)));
     for (; c + 16 <= j->C; c += 16) {
         const __m512 v = W(code16)(j, p, sh, c, lut16);
         const __m512 d = _mm512_sub_ps(v, z ? _mm512_loadu_ps(z + c) : zc);
