@@ -36,9 +36,11 @@ STREAMED = ("qwen3_moe", dict(num_experts=32))
 SMALL = dict(prompt_tokens=16, output_tokens=8, max_batch=4)  # a quick plan: the tests check output, not sizes
 FORMATS = {  # name -> writer(src, out)
     "gptq4_act": lambda s, o: L.write_gptq_checkpoint(s, o, bits=4, group=16, desc_act=True, sym=True),
+    "gptq4": lambda s, o: L.write_gptq_checkpoint(s, o, bits=4, group=16, desc_act=False, sym=True),
     "gptq8_asym_v2": lambda s, o: L.write_gptq_checkpoint(s, o, bits=8, group=-1, sym=False, version="gptq_v2"),
     "awq": lambda s, o: L.write_awq_checkpoint(s, o, group=16),
     "ct_w4_asym": lambda s, o: L.write_ct_checkpoint(s, o, scheme="w4_group_asym", attention_scheme="fp8_channel"),
+    "ct_w4_sym": lambda s, o: L.write_ct_checkpoint(s, o, scheme="w4_group_sym", attention_scheme="fp8_channel"),
     "ct_w8_naive": lambda s, o: L.write_ct_checkpoint(s, o, scheme="w8_naive_channel", attention_scheme="fp8_tensor"),
     "nvfp4": lambda s, o: L.write_nvfp4_checkpoint(s, o, exclude=("lm_head", "model.layers.0.self_attn*")),
 }
@@ -84,7 +86,8 @@ def _streamed(path: Path, fraction: float) -> dict:
     return plan
 
 
-_CASES = [(f, fam, False) for f in ("gptq4_act", "awq", "ct_w4_asym", "nvfp4") for fam in FAMILIES] + \
+_CASES = [(f, fam, False) for f in ("gptq4_act", "gptq4", "awq", "ct_w4_asym", "ct_w4_sym", "nvfp4")
+          for fam in FAMILIES] + \
          [("gptq8_asym_v2", "qwen3_moe", False), ("ct_w8_naive", "olmoe", False)] + \
          [(f, STREAMED[0], True) for f in ("gptq4_act", "awq", "ct_w4_asym", "nvfp4")]
 
