@@ -15,7 +15,8 @@ What it does:
   2. writes a prompts file: --prompts requests of token ids, lengths uniform in
      [--min-prompt, --max-prompt], --output-tokens each (seeded);
   3. measures the GEMM rate at the model's own weight shapes (best over token counts
-     256..2048, per shape) before and after the runs; the roofline is the larger rate
+     256..2048, per shape, the better of F.linear and oneDNN over a packed weight) before and
+     after the runs; the roofline is the larger rate
      divided into the FLOPs per generated token (every matmul of the active path plus
      attention at the job's mean context);
   4. compiles a plan from the prompts file (`--prompts`: the workload's shape) and runs
@@ -108,20 +109,32 @@ def gemm_shapes(plan: dict[str, Any]) -> dict[tuple[int, int], int]:
     return shapes
 
 
+def _best_rate(f, flops: float, seconds: float) -> float:
+    f()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        f()
+        reps += 1
+    return flops * reps / (time.perf_counter() - t0)
+
+
 def measure_gemm(shapes: dict[tuple[int, int], int], dtype: torch.dtype, seconds: float = 0.4) -> dict[str, Any]:
-    """Best rate per shape over token counts; the FLOP-weighted rate for one token's path."""
+    """Best rate per shape over token counts and over the GEMMs this torch has (F.linear, and
+    oneDNN over a weight packed once where the build has it: what moecc's CPU run uses); the
+    FLOP-weighted rate for one token's path."""
+    from moecc_runtime.memory.packed_weights import PackedLinear, packing_available
+
     per_shape = {}
     for (k, n) in shapes:
         best = 0.0
         w = torch.randn(n, k, dtype=dtype)
+        gemms = [lambda x: F.linear(x, w)]
+        if packing_available():
+            gemms.append(PackedLinear(w, 256))
         for m in (256, 512, 1024, 2048):
             x = torch.randn(m, k, dtype=dtype)
-            F.linear(x, w)
-            reps, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                F.linear(x, w)
-                reps += 1
-            best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+            for g in gemms:
+                best = max(best, _best_rate(lambda: g(x), 2 * m * k * n, seconds / len(gemms)))
         per_shape[f"{k}x{n}"] = best
     flops = sum(2 * k * n * c for (k, n), c in shapes.items())
     secs = sum(2 * k * n * c / per_shape[f"{k}x{n}"] for (k, n), c in shapes.items())

@@ -63,7 +63,8 @@ def compile_cmd(
                                                  "dense/shared-expert MLP weights; never embeddings, norms, "
                                                  "routers or lm_head)."),
     dtype: str = typer.Option("auto", "--dtype", help="The compute dtype: auto (what transformers' "
-                              "dtype=\"auto\" loads: config.json's torch_dtype, or the weights' own), bfloat16, "
+                              "dtype=\"auto\" loads: config.json's torch_dtype, or the weights' own), fastest "
+                              "(bfloat16 for an fp32 model where the hardware computes it faster), bfloat16, "
                               "float16 or float32 (weights stored in another dtype are cast when read)."),
 ) -> None:
     """Compile MODEL_DIR into a plan for this machine's budgets."""

@@ -55,7 +55,7 @@ def compile_model(
     `device_reserve`: device bytes kept out of `gpu_mem` (None: the hardware profile's).
     `shared_prefix`: the share of prompt tokens computed once by prefix sharing (what
     `moecc compile --prompts` measures; moecc/planner/shared_prefix.py). `dtype`: the compute
-    dtype (--dtype: auto, bfloat16, float16, float32; moecc/frontend/dtype_choice.py)."""
+    dtype (--dtype: auto, fastest, bfloat16, float16, float32; moecc/frontend/dtype_choice.py)."""
     options = CompileOptions(gpu_mem=gpu_mem, host_mem=host_mem, host_reserve=host_reserve,
                              device_reserve=device_reserve, prompt_tokens=prompt_tokens,
                              output_tokens=output_tokens, shared_prefix=float(shared_prefix), max_batch=max_batch,
@@ -84,7 +84,7 @@ def compile_graph(model_dir: str | os.PathLike, options: CompileOptions = Compil
     if verify is None:
         verify = os.environ.get("MOECC_VERIFY", "") not in ("", "0")
     start = time.perf_counter()
-    graph, ckpt = build_graph(model_dir, options.dtype)
+    graph, ckpt = build_graph(model_dir, options.dtype, options.hardware)
     ctx = PassContext(options=dataclasses.replace(options, checkpoint=ckpt), instruments=list(instruments or []),
                       verify=verify)
     if verify:

@@ -46,7 +46,7 @@ class CompileOptions:
                    are written beside it as plan_path + ".weights.safetensors", the name
                    the runtime looks for; the plan must then be saved at exactly this path
     log            progress lines of long steps (quantizing), e.g. to stderr; None: silent
-    dtype          the compute dtype: "auto" (transformers' dtype="auto"), "bfloat16",
+    dtype          the compute dtype: "auto" (transformers' dtype="auto"), "fastest", "bfloat16",
                    "float16" or "float32" (weights of another dtype cast when read;
                    moecc/frontend/dtype_choice.py); the plan's model.info.dtype
     """

@@ -29,15 +29,17 @@ from moecc.frontend.weights import WeightResolver
 from moecc.ir.graph import Graph
 
 
-def build_graph(model_dir: str | os.PathLike, dtype: str = "auto") -> tuple[Graph, Checkpoint]:
+def build_graph(model_dir: str | os.PathLike, dtype: str = "auto", hardware: str | None = None
+                ) -> tuple[Graph, Checkpoint]:
     """Read the checkpoint, build the model on meta, trace each layer, return the graph.
     `dtype`: the compute dtype (--dtype; auto: transformers' dtype="auto"), in info.dtype
-    with why in info.extra["dtype"]; weight refs keep their stored dtypes."""
+    with why in info.extra["dtype"]; `hardware`: the profile --dtype fastest reads; weight refs
+    keep their stored dtypes."""
     ckpt = read_checkpoint(model_dir)
     config = load_config(ckpt)
     info = model_info(ckpt, config)
     stored = info.dtype  # config-only refs: the release's dtype
-    info.dtype, why = choose_dtype(ckpt, config, dtype)
+    info.dtype, why = choose_dtype(ckpt, config, dtype, hardware)
     info.extra["dtype"] = {"compute": info.dtype, "auto": stored, "why": why}
     model = build_model(config)
     resolver = WeightResolver(ckpt, config.model_type, stored, quantization(ckpt))

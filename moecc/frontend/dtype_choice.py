@@ -1,5 +1,9 @@
-"""The compute dtype of a compile (`moecc compile --dtype auto|bfloat16|float16|float32`) and
-why: auto is what transformers' dtype="auto" loads (moecc/frontend/config.py compute_dtype);
+"""The compute dtype of a compile (`moecc compile --dtype auto|fastest|bfloat16|float16|float32`)
+and why: auto is what transformers' dtype="auto" loads (moecc/frontend/config.py compute_dtype);
+fastest is auto, or bfloat16 in place of an fp32 auto where the target hardware's profile
+computes a GEMM at decode's row counts (FASTEST_ROWS) at least FASTEST_MARGIN faster in
+bfloat16 (a CPU with AVX512-BF16, a GPU with bf16 tensor cores): outputs then differ from
+fp32 as any bf16 run does (the demo model's held-out perplexity: docs/formats.md);
 any other value is computed in whatever the weights are stored in: the runtime casts every
 floating weight slice of another dtype when it reads it (moecc_runtime/memory/weights.py) and
 dequantizes quantized ones into it; activations, attention and the KV cache are in it.
@@ -15,7 +19,9 @@ from typing import Any
 from moecc.frontend.checkpoint import Checkpoint
 from moecc.frontend.config import compute_dtype
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_CHOICES = ("auto", "fastest", "bfloat16", "float16", "float32")
+FASTEST_ROWS = 256  # rows of the GEMM `fastest` compares at (an expert's rows in a decode step)
+FASTEST_MARGIN = 1.1  # bfloat16 must be this much faster to replace fp32
 
 
 def check_dtype(dtype: str) -> None:
@@ -36,12 +42,31 @@ def _auto_why(ckpt: Checkpoint, config: Any, dtype: str) -> str:
     return "the first floating weight's dtype (config.json names none)"
 
 
-def choose_dtype(ckpt: Checkpoint, config: Any, requested: str = "auto") -> tuple[str, str]:
-    """(the compute dtype, why), for --dtype `requested`."""
+def _fastest(auto: str, hardware: str | None) -> tuple[str, str]:
+    """--dtype fastest: (dtype, why) from the hardware profile's GEMM rates."""
+    from moecc.planner.hardware import resolve_hardware
+
+    if auto != "float32":
+        return auto, f"--dtype fastest: the weights' {auto} (only an fp32 model is computed in bfloat16 instead)"
+    hw = resolve_hardware(hardware)
+    fp32, bf16 = (hw.gemm_rate(d, FASTEST_ROWS) for d in ("float32", "bfloat16"))
+    rates = (f"{hw.name}'s GEMM at {FASTEST_ROWS} rows: bfloat16 {bf16 / 1e9:.0f} GFLOP/s, "
+             f"float32 {fp32 / 1e9:.0f}")
+    if bf16 >= FASTEST_MARGIN * fp32:
+        return "bfloat16", f"--dtype fastest: bfloat16 for an fp32 model ({rates}); weights cast once when read"
+    return "float32", f"--dtype fastest: the weights' float32 ({rates}: bfloat16 not {FASTEST_MARGIN}x faster)"
+
+
+def choose_dtype(ckpt: Checkpoint, config: Any, requested: str = "auto", hardware: str | None = None
+                 ) -> tuple[str, str]:
+    """(the compute dtype, why), for --dtype `requested`; `hardware` (--hardware) is the
+    profile `fastest` reads (None: this machine's preset)."""
     check_dtype(requested)
     auto = compute_dtype(ckpt, config)
     if requested == "auto":
         return auto, f"--dtype auto: {_auto_why(ckpt, config, auto)}"
+    if requested == "fastest":
+        return _fastest(auto, hardware)
     if requested == auto:
         return auto, f"--dtype {requested}, which is also what auto picks"
     return requested, (f"--dtype {requested} (auto would be {auto}): weights stored in another dtype are cast to "

@@ -111,6 +111,11 @@ class WeightStore:
             self._host[key] = t
         return t
 
+    def drop(self, key: str) -> None:
+        """Forget the host tensor kept for dense weight `key` (a packed copy serves it now):
+        its mapped pages, or its cast copy, are no longer held by the store."""
+        self._host.pop(key, None)
+
     def _casts(self, key: str, t: torch.Tensor) -> bool:
         """Whether slice `key` (as stored: `t`) is cast to the compute dtype when read."""
         cd = self.compute_dtype

@@ -45,7 +45,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    # x: [T, in]  w: [out, in] -> [T, out]
+    """x @ w^T + b. w: a tensor, or a weight laid out for the host GEMM
+    (memory/packed_weights.PackedLinear), which computes the same product.
+    x: [T, in]  w: [out, in] -> [T, out]"""
+    if not isinstance(w, torch.Tensor):
+        return w(x, b)
     return F.linear(x, w, b)
 
 
@@ -234,13 +238,15 @@ def merged_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     return gate.as_strided((2 * gate.shape[0], gate.shape[1]), gate.stride())
 
 
-def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, down: torch.Tensor,
+              act: str) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) @ down^T; gate and up in one GEMM where they are stored
-    back to back (merged_gate_up). x: [T, H]  gate/up: [I, H]  down: [H, I] -> [T, H]"""
-    gu = merged_gate_up(gate, up)
+    back to back (merged_gate_up) or packed stacked (`up` None: `gate` a PackedLinear of
+    [2I, H] whose `split` is I). x: [T, H]  gate/up: [I, H]  down: [H, I] -> [T, H]"""
+    gu = gate if up is None else merged_gate_up(gate, up)
     if gu is not None:
         both = linear(x, gu)  # [T, 2I]
-        n = gate.shape[0]
+        n = gate.split if up is None else gate.shape[0]
         h = ACTIVATIONS[act](both[:, :n])  # [T, I]
         h.mul_(both[:, n:])
         return linear(h, down)

@@ -44,6 +44,7 @@ from moecc_runtime.contract.kv_geometry import KVGeometry
 from moecc_runtime.contract.plan_types import ArenaLayout, Module, Op, PlanView
 from moecc_runtime.memory.kv import KVPool, pool_geometry
 from moecc_runtime.memory.streaming import Copier, InPlaceWeights, KVStaging, StreamedWeights
+from moecc_runtime.memory.packed_weights import in_place_weights
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
 from moecc_runtime.plan import PlanError, has_sidecar, sidecar_path
 from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
@@ -235,7 +236,8 @@ class Worker:
                                                           if i in bufs and i not in self._slots))
                                        for m in self.schedule]
         else:
-            self.weights: InPlaceWeights | StreamedWeights = InPlaceWeights(self.store, self.view)
+            self.weights: InPlaceWeights | StreamedWeights = in_place_weights(self.store, self.view, self.b_e)
+            self.stats.packed_weight_bytes = getattr(self.weights, "packed_bytes", 0)
             self.kv_staging = KVStaging(self.kv, self.device)
 
     def _init_arena(self, lay: ArenaLayout) -> None:

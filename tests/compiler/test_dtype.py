@@ -1,4 +1,4 @@
-"""`moecc compile --dtype auto|bfloat16|float16|float32` (issue 33, C): the plan records the
+"""`moecc compile --dtype auto|fastest|bfloat16|float16|float32` (issue 33, C): the plan records the
 compute dtype (model.info.dtype, and why in info.extra.dtype, which `moecc explain` prints);
 the runtime casts every floating weight stored in another dtype to it when it reads it, and
 computes activations, attention and the KV cache in it. A bf16 checkpoint compiled with
@@ -55,4 +55,23 @@ def test_explain_says_which_dtype_runs_and_why(bf16, tmp_path):
 
 def test_an_unknown_dtype_is_refused_naming_the_option(bf16, tmp_path):
     out = CliRunner().invoke(app, ["compile", str(bf16), "--dtype", "fp8", "-o", str(tmp_path / "p.pt")])
-    assert out.exit_code == 1 and "--dtype must be one of auto, bfloat16, float16, float32" in out.output
+    assert out.exit_code == 1 and "--dtype must be one of auto, fastest, bfloat16, float16, float32" in out.output
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dt") / "fp32", "qwen3_moe")
+
+
+@pytest.mark.parametrize("hardware, want", [("cpu", "bfloat16"), ("t4", "float32"), ("a5000", "bfloat16")])
+def test_fastest_takes_bf16_for_an_fp32_model_only_where_the_hardware_computes_it_faster(fp32, hardware, want):
+    plan, _ = compile_model(fp32, dtype="fastest", hardware=hardware, **SMALL)
+    info = plan["model"]["info"]
+    assert info["dtype"] == want and info["extra"]["dtype"]["auto"] == "float32"
+    why = info["extra"]["dtype"]["why"]
+    assert why.startswith("--dtype fastest") and "GFLOP/s" in why
+
+
+def test_fastest_keeps_a_bf16_model_in_bf16(bf16):
+    plan, _ = compile_model(bf16, dtype="fastest", **SMALL)
+    assert plan["model"]["info"]["dtype"] == "bfloat16"

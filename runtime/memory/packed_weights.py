@@ -1,0 +1,179 @@
+"""Dense weights laid out once for the host GEMM that runs them (oneDNN's reorder), on a CPU
+run without an arena.
+
+torch's `F.linear` hands an fp32 [T, in] x [out, in]^T product to MKL, which on this project's
+AMD Zen 4 reaches 82-150 GFLOP/s at 16-1,024 rows; oneDNN over a weight reordered once into its
+blocked layout for this CPU's ISA reaches 167-204 (bf16: 217-366 against 304-401). So a CPU
+run packs every weight that only a GEMM reads, once at start-up, and runs those GEMMs through
+oneDNN (`PackedLinear`); gate and up of a gated MLP (an expert's or a dense one) are stacked
+into one [2I, H] packed weight, so an expert is two GEMMs (kernels.gated_mlp).
+
+What is packed (`packable`): dense weights in fp32 or bf16 compute whose every reader is a
+GEMM: linear and lm_head weights, attention projections (q, k, v, o; MLA's q_a, q_b, kv_a,
+never kv_b, which its absorption reads as a tensor), dense MLPs and the experts of gated MLPs
+(never gpt-oss's clamped SwiGLU, which reads gate_up as [H, 2I]). Quantized formats keep
+their dequantize next to the GEMM; routers, norms and embeddings are read as tensors.
+
+The packed copy costs anonymous host memory equal to the weights' bytes (the mapped file's
+pages become reclaimable page cache), so packing happens only when that fits in half of the
+memory available at start-up (`PackPolicy.decide`); MOECC_PACK=0 turns it off. bf16 results
+are bit-identical to F.linear (torch's bf16 GEMM is oneDNN's too); fp32 ones agree to ~1e-6
+relative (another summation order).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from moecc_runtime import formats
+from moecc_runtime.contract.plan_types import Op, PlanView
+from moecc_runtime.memory.streaming import ExpertWeights, InPlaceWeights, expert_keys, experts_ops
+from moecc_runtime.memory.weights import WeightStore
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+_ATTENTION_GEMMS = ("q", "k", "v", "o", "q_a", "q_b", "kv_a")  # read only by kernels.linear
+
+
+def packing_available() -> bool:
+    """oneDNN's packed linear is in this torch build (and MOECC_PACK is not 0)."""
+    if os.environ.get("MOECC_PACK", "1") == "0":
+        return False
+    ops = getattr(torch.ops, "mkldnn", None)
+    return bool(torch.backends.mkldnn.is_available() and ops is not None
+                and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+
+
+class PackedLinear:
+    """A dense [out, in] weight in oneDNN's blocked layout; `self(x, bias)` = F.linear(x, w, bias).
+    `split`: where the rows of a stacked gate and up part (gate rows [0, split)), else None."""
+
+    __slots__ = ("packed", "out_features", "in_features", "dtype", "split")
+
+    def __init__(self, w: torch.Tensor, rows_hint: int, split: int | None = None):
+        """needs: w [out, in], fp32 or bf16, on the CPU. Copies it (the packed layout is oneDNN's)."""
+        self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
+        self.dtype = w.dtype
+        self.split = split
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), max(1, int(rows_hint)))
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class PackPlan:
+    """Which weight keys a run packs: `single` alone, `stacked` (gate key, up key) pairs."""
+
+    single: list[str] = field(default_factory=list)
+    stacked: list[tuple[str, str]] = field(default_factory=list)
+
+    def keys(self) -> list[str]:
+        return self.single + [k for pair in self.stacked for k in pair]
+
+
+def packable(plan: PlanView, store: WeightStore) -> PackPlan:
+    """The weights of `plan` that only a GEMM reads and that are dense in a packed dtype."""
+    out = PackPlan()
+
+    def dense(key: str) -> bool:
+        entry = store.manifest.get(key)
+        return (entry is not None and formats.is_dense(entry) and len(entry["shape"]) == 2
+                and key not in store.keep and store.compute_dtype in PACKED_DTYPES)
+
+    def gated(gate: str, up: str, down: str) -> None:
+        if dense(gate) and dense(up) and store.manifest[gate]["shape"] == store.manifest[up]["shape"]:
+            out.stacked.append((gate, up))
+        if dense(down):
+            out.single.append(down)
+
+    for m in plan.schedule:
+        for op in m.ops:
+            _add_op(op, dense, gated, out)
+    return out
+
+
+def _add_op(op: Op, dense, gated, out: PackPlan) -> None:
+    """The packable weights of one op into `out`."""
+    w, a = op.weights, op.attrs
+    if op.op in ("linear", "lm_head") and dense(w["weight"]):
+        out.single.append(w["weight"])
+    elif op.op == "attention":
+        out.single.extend(w[k] for k in _ATTENTION_GEMMS if k in w and dense(w[k]))
+    elif op.op == "mlp":
+        gated(w["gate"], w["up"], w["down"])
+    elif op.op == "experts" and a.get("act") != "clamped_swiglu":
+        for e in range(int(a["num_experts"])):
+            if f"e{e}.gate" in w:
+                gated(w[f"e{e}.gate"], w[f"e{e}.up"], w[f"e{e}.down"])
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class PackedInPlaceWeights(InPlaceWeights):
+    """InPlaceWeights with the GEMM-only weights packed (`pack`): `get` returns a PackedLinear
+    for them, and None for an `up` stacked under its gate; `experts` yields (gate+up, None,
+    down) for a stacked expert."""
+
+    def __init__(self, store: WeightStore, plan: PlanView, pack: PackPlan, rows_hint: int):
+        super().__init__(store, plan)
+        self._packed: dict[str, PackedLinear | None] = {}
+        for key in pack.single:
+            self._packed[key] = PackedLinear(store.get(key), rows_hint)
+            store.drop(key)
+        for gate, up in pack.stacked:
+            g, u = store.get(gate), store.get(up)  # [I, H] each
+            self._packed[gate] = PackedLinear(torch.cat((g, u), dim=0), rows_hint, split=int(g.shape[0]))  # [2I, H]
+            self._packed[up] = None
+            store.drop(gate)
+            store.drop(up)
+        self.packed_bytes = sum(p.nbytes for p in self._packed.values() if p is not None)
+
+    def get(self, key: str):  # type: ignore[override]
+        if key in self._packed:
+            return self._packed[key]
+        return super().get(key)
+
+    def experts(self, name: str, used: list[int]) -> Iterator[ExpertWeights]:
+        op = self._ops[name]
+        for e in used:
+            yield tuple(self.get(k) for k in expert_keys(op, e))  # type: ignore[misc]
+
+
+def in_place_weights(store: WeightStore, plan: PlanView, rows_hint: int) -> InPlaceWeights:
+    """The in-place weights policy of a run without an arena: packed on a CPU where oneDNN is
+    built, the weights are in a packed dtype and their copy fits in half the available memory;
+    plain InPlaceWeights otherwise."""
+    if store.device.type != "cpu" or not packing_available():
+        return InPlaceWeights(store, plan)
+    pack = packable(plan, store)
+    need = sum(_entry_bytes(store, k) for k in pack.keys())
+    free = available_memory()
+    if not need or (free is not None and need > free // 2):
+        return InPlaceWeights(store, plan)
+    return PackedInPlaceWeights(store, plan, pack, rows_hint)
+
+
+def _entry_bytes(store: WeightStore, key: str) -> int:
+    n = 1
+    for d in store.manifest[key]["shape"]:
+        n *= int(d)
+    return n * torch.empty((), dtype=store.compute_dtype).element_size()

@@ -1,0 +1,84 @@
+"""Weights packed for the host GEMM (runtime/memory/packed_weights.py): the packed product is
+F.linear's (bf16 bit for bit, fp32 to rounding), an expert's stacked gate and up give the
+unpacked MLP, and a plan packs exactly the weights only a GEMM reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moecc.compiler import compile_model
+from moecc.testing.checkpoints import write_checkpoint
+from moecc_runtime.contract.plan_types import PlanView
+from moecc_runtime.memory.packed_weights import (PackedInPlaceWeights, PackedLinear, in_place_weights, packable,
+                                                 packing_available)
+from moecc_runtime.memory.streaming import InPlaceWeights
+from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
+from moecc_runtime.worker.kernels import gated_mlp
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+SMALL = dict(prompt_tokens=16, output_tokens=8, max_batch=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_is_f_linear(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, 80, generator=g).to(dtype)
+    got, want = PackedLinear(w, 128)(x, b), F.linear(x, w, b)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_gate_and_up_give_the_gated_mlp():
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(*s, generator=g) for s in ((48, 32), (48, 32), (32, 48)))
+    x = torch.randn(20, 32, generator=g)
+    packed = gated_mlp(x, PackedLinear(torch.cat((gate, up)), 16, split=48), None, PackedLinear(down, 16), "silu")
+    torch.testing.assert_close(packed, gated_mlp(x, gate, up, down, "silu"), rtol=1e-5, atol=1e-5)
+
+
+def _store(plan, model_dir):
+    view = PlanView.of(plan)
+    dtype = TORCH_DTYPES[view.info.dtype]
+    return view, WeightStore(plan["weights"], model_dir, torch.device("cpu"), compute_dtype=dtype,
+                             keep=fp32_weight_keys(view.schedule))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2", "gpt_oss"])
+def test_a_plan_packs_the_weights_only_a_gemm_reads(family, tmp_path):
+    ckpt = write_checkpoint(tmp_path / family, family)
+    plan, _ = compile_model(ckpt, **SMALL)
+    view, store = _store(plan, ckpt)
+    pack = packable(view, store)
+    kinds = {op.op: op for m in view.schedule for op in m.ops}
+    routers = {op.weights["weight"] for m in view.schedule for op in m.ops if op.op == "router"}
+    assert not routers & set(pack.keys())
+    assert kinds["lm_head"].weights["weight"] in pack.single
+    attn = kinds["attention"].weights
+    assert attn["o"] in pack.single
+    if "kv_b" in attn:  # MLA's absorption reads kv_b as a tensor
+        assert attn["kv_b"] not in pack.keys()
+    experts = kinds["experts"]
+    stacked_gates = {gate for gate, _ in pack.stacked}
+    if experts.attrs["act"] == "clamped_swiglu":  # gpt-oss reads gate_up as [H, 2I]
+        assert not any(k in pack.keys() for k in experts.weights.values())
+    else:
+        assert experts.weights["e0.gate"] in stacked_gates
+        assert experts.weights["e0.down"] in pack.single
+    weights = in_place_weights(store, view, 16)
+    assert isinstance(weights, PackedInPlaceWeights)
+    assert weights.packed_bytes == sum(store.manifest[k]["nbytes"] for k in pack.keys())
+
+
+def test_moecc_pack_0_reads_the_weights_in_place(tmp_path, monkeypatch):
+    ckpt = write_checkpoint(tmp_path / "m", "mixtral")
+    plan, _ = compile_model(ckpt, **SMALL)
+    view, store = _store(plan, ckpt)
+    monkeypatch.setenv("MOECC_PACK", "0")
+    assert type(in_place_weights(store, view, 16)) is InPlaceWeights
