@@ -172,6 +172,48 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start:
     return out[0].transpose(0, 1).reshape(n, -1)
 
 
+#: fresh prompts batched into one SDPA call: at most this many query rows, padding included
+PROMPT_BATCH_ROWS = 8192
+#: a prompt joins a batch only if the batch's longest is at most this much longer (padding bound)
+PROMPT_PAD_RATIO = 1.25
+
+
+def prompt_batches(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Fresh prompts (row spans [lo, hi)) grouped for attend_prompts: longest first, a group
+    closed when the next is shorter than its longest / PROMPT_PAD_RATIO or the padded rows
+    would pass PROMPT_BATCH_ROWS. Every span in exactly one group."""
+    groups: list[list[tuple[int, int]]] = []
+    for lo, hi in sorted(spans, key=lambda s: s[0] - s[1]):
+        g = groups[-1] if groups else None
+        if g is not None:
+            longest = g[0][1] - g[0][0]
+            if (hi - lo) * PROMPT_PAD_RATIO >= longest and (len(g) + 1) * longest <= PROMPT_BATCH_ROWS:
+                g.append((lo, hi))
+                continue
+        groups.append([(lo, hi)])
+    return groups
+
+
+def attend_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
+                   scale: float, out: torch.Tensor) -> None:
+    """Causal attention of fresh prompts (each span's rows are its whole context, positions 0..n-1)
+    in one SDPA call per prompt_batches group: right-padded to the group's longest n, so
+    causality alone keeps every real query off the padding. Multi-head attention without sinks
+    or a window shorter than the prompts. q: [t, Hq, D]  k/v: [t, Hkv, D] -> out[lo:hi] [n, Hq, D]."""
+    Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
+    for group in prompt_batches(spans):
+        n = group[0][1] - group[0][0]
+        qb = q.new_zeros(len(group), n, Hq, D)  # [S, n, Hq, D]
+        kb, vb = k.new_zeros(len(group), n, Hkv, D), v.new_zeros(len(group), n, Hkv, v.shape[-1])
+        for i, (lo, hi) in enumerate(group):
+            qb[i, :hi - lo], kb[i, :hi - lo], vb[i, :hi - lo] = q[lo:hi], k[lo:hi], v[lo:hi]
+        o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                           is_causal=True, scale=scale, enable_gqa=True)  # [S, Hq, n, Dv]
+        o = o.transpose(1, 2)  # [S, n, Hq, Dv]
+        for i, (lo, hi) in enumerate(group):
+            out[lo:hi] = o[i, :hi - lo]
+
+
 def route(x: torch.Tensor, w: torch.Tensor, a: dict, bias: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing. x: [T, H], w: [E, H] -> weights [T, k] (fp32, or the model dtype
