@@ -174,8 +174,12 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start:
 
 #: fresh prompts batched into one SDPA call: at most this many query rows, padding included
 PROMPT_BATCH_ROWS = 8192
-#: a prompt joins a batch only if the batch's longest is at most this much longer (padding bound)
-PROMPT_PAD_RATIO = 1.25
+#: a prompt joins a batch only if the batch's longest is at most this much longer (padding bound).
+#: 1.0: equal lengths only. Padding changes the SDPA kernel's blocking, so a padded prompt's
+#: bf16 attention rounds differently from its own call (transformers' one-prompt reference:
+#: tests/runtime/formats/test_fp8.py holds the first step's logits to it bit for bit); on a
+#: 32-token average it bought no measurable step time either (bench/results/README.md)
+PROMPT_PAD_RATIO = 1.0
 
 
 def prompt_batches(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
@@ -197,8 +201,8 @@ def prompt_batches(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
 def attend_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
                    scale: float, out: torch.Tensor) -> None:
     """Causal attention of fresh prompts (each span's rows are its whole context, positions 0..n-1)
-    in one SDPA call per prompt_batches group: right-padded to the group's longest n, so
-    causality alone keeps every real query off the padding. Multi-head attention without sinks
+    in one SDPA call per prompt_batches group: right-padded to the group's longest n (none with
+    PROMPT_PAD_RATIO 1), so causality alone keeps every real query off the padding. Multi-head attention without sinks
     or a window shorter than the prompts. q: [t, Hq, D]  k/v: [t, Hkv, D] -> out[lo:hi] [n, Hq, D]."""
     Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
     for group in prompt_batches(spans):
