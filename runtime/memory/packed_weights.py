@@ -158,11 +158,26 @@ class PackedInPlaceWeights(InPlaceWeights):
             yield tuple(self.get(k) for k in expert_keys(op, e))  # type: ignore[misc]
 
 
+def _dtype_works(dtype: torch.dtype | None) -> bool:
+    """oneDNN packs and runs a GEMM in `dtype` on this CPU (bf16 needs its bf16 support: an
+    AVX2-only CPU has none); checked on a tiny weight."""
+    if dtype not in PACKED_DTYPES:
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        w = torch.ones(4, 8, dtype=dtype)
+        y = PackedLinear(w, 2)(torch.ones(2, 8, dtype=dtype))
+        return bool((y == 8).all())
+    except RuntimeError:
+        return False
+
+
 def in_place_weights(store: WeightStore, plan: PlanView, rows_hint: int) -> InPlaceWeights:
     """The in-place weights policy of a run without an arena: packed on a CPU where oneDNN is
-    built, the weights are in a packed dtype and their copy fits in half the available memory;
-    plain InPlaceWeights otherwise."""
-    if store.device.type != "cpu" or not packing_available():
+    built and runs the compute dtype, the weights are in a packed dtype and their copy fits in
+    half the available memory; plain InPlaceWeights otherwise."""
+    if store.device.type != "cpu" or not packing_available() or not _dtype_works(store.compute_dtype):
         return InPlaceWeights(store, plan)
     pack = packable(plan, store)
     need = sum(_entry_bytes(store, k) for k in pack.keys())
