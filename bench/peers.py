@@ -44,7 +44,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from throughput import WORKLOADS, compile_and_exec, steady_decode, write_prompts  # noqa: E402
+from throughput import WORKLOADS, build_model, compile_and_exec, steady_decode_rate, write_prompts  # noqa: E402
 
 CACHE = Path(os.environ.get("MOECC_PEERS_CACHE", Path.home() / ".cache" / "moecc-peers"))
 LLAMA_SDIST = "llama-cpp-python"
@@ -95,12 +95,10 @@ def run_moecc(model: Path, prompts: Path, work: Path, dtype: str, max_batch: int
     args = ["--prompts", str(prompts), "--max-batch", str(max_batch), "--dtype", dtype]
     _, s, wall, _ = compile_and_exec(model, prompts, work, f"peers-{dtype}", args)
     eng = s["engine"]
-    steady = steady_decode(eng["records"])
     tokens = s["completion_tokens"]
     return {"engine": f"moecc (--dtype {dtype})", "tokens": tokens, "seconds": eng["seconds"],
             "tokens_per_s": tokens / eng["seconds"], "wall_with_load_tokens_per_s": tokens / wall,
-            "steady_decode_tokens_per_s": (sum(r["decode_tokens"] for r in steady) / sum(r["seconds"] for r in steady)
-                                           if steady else None),
+            "steady_decode_tokens_per_s": steady_decode_rate(eng["records"]),
             "packed_weight_bytes": eng.get("packed_weight_bytes", 0)}
 
 
@@ -228,16 +226,6 @@ def run_llama(cache: Path, model: Path, reqs: list[tuple[list[int], int]], dtype
 
 
 # -- the run -----------------------------------------------------------------------------------
-
-def build_model(work: Path, preset: str, dtype: str) -> Path:
-    out = work / f"model-{preset}-{dtype}"
-    if (out / "model.safetensors").exists():
-        return out
-    from moecc.testing.checkpoints import PRESETS, write_checkpoint
-
-    family, overrides = PRESETS[preset]
-    return write_checkpoint(out, family, eos_token_id=None, dtype=dtype, **overrides)
-
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     w = WORKLOADS[a.workload]

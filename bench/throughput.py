@@ -62,15 +62,16 @@ WORKLOADS = {
 
 # -- model and workload --------------------------------------------------------------------
 
-def build_model(work: Path, preset: str = "bench") -> Path:
-    out = work / f"model-{preset}"
+def build_model(work: Path, preset: str = "bench", dtype: str = "float32") -> Path:
+    """The preset's random-weight checkpoint (no EOS) in `dtype`, built once under `work`."""
+    out = work / (f"model-{preset}" if dtype == "float32" else f"model-{preset}-{dtype}")
     if (out / "model.safetensors").exists():
         return out
     from moecc.testing.checkpoints import PRESETS, write_checkpoint
 
     family, overrides = PRESETS[preset]
     print(f"building the bench checkpoint in {out} ...", file=sys.stderr)
-    return write_checkpoint(out, family, eos_token_id=None, **overrides)
+    return write_checkpoint(out, family, eos_token_id=None, dtype=dtype, **overrides)
 
 
 def write_prompts(path: Path, n: int, lo: int, hi: int, out_lo: int, out_hi: int, vocab: int,
@@ -162,6 +163,12 @@ def compile_and_exec(model: Path, prompts: Path, work: Path, name: str, compile_
     return plan, json.loads(stats.read_text()), time.perf_counter() - t0, results
 
 
+def steady_decode_rate(recs: list[dict[str, Any]]) -> float | None:
+    """Decode tokens/s over the steady_decode steps (None: there are none)."""
+    steady = steady_decode(recs)
+    return sum(r["decode_tokens"] for r in steady) / sum(r["seconds"] for r in steady) if steady else None
+
+
 def steady_decode(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Steps without prefill with the batch at >= 90% of its peak."""
     peak_batch = max(r["sequences"] for r in recs)
@@ -186,8 +193,7 @@ def run_moecc(model: Path, prompts: Path, work: Path, max_batch: int) -> dict[st
         "steps": len(recs),
         "peak_batch": peak_batch,
         "steady_decode_steps": len(steady),
-        "steady_decode_tokens_per_s": (sum(r["decode_tokens"] for r in steady) / sum(r["seconds"] for r in steady)
-                                       if steady else None),
+        "steady_decode_tokens_per_s": steady_decode_rate(recs),
         "steady_decode_step_s_median": median(r["seconds"] for r in steady) if steady else None,
         "kv_peak_allocated_bytes": peak["kv_allocated_bytes"],
         "kv_peak_live_bytes": peak["kv_live_bytes"],

@@ -3,7 +3,7 @@ and why: auto is what transformers' dtype="auto" loads (moecc/frontend/config.py
 fastest is auto, or bfloat16 in place of an fp32 auto where the target hardware's profile
 computes a GEMM at decode's row counts (FASTEST_ROWS) at least FASTEST_MARGIN faster in
 bfloat16 (a CPU with AVX512-BF16, a GPU with bf16 tensor cores): outputs then differ from
-fp32 as any bf16 run does (the demo model's held-out perplexity: docs/formats.md);
+fp32 as any bf16 run does (the demo model's held-out perplexity: docs/cli.md);
 any other value is computed in whatever the weights are stored in: the runtime casts every
 floating weight slice of another dtype when it reads it (moecc_runtime/memory/weights.py) and
 dequantizes quantized ones into it; activations, attention and the KV cache are in it.

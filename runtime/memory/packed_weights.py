@@ -16,22 +16,24 @@ their dequantize next to the GEMM; routers, norms and embeddings are read as ten
 
 The packed copy costs anonymous host memory equal to the weights' bytes (the mapped file's
 pages become reclaimable page cache), so packing happens only when that fits in half of the
-memory available at start-up (`PackPolicy.decide`); MOECC_PACK=0 turns it off. bf16 results
+memory available at start-up and oneDNN runs the compute dtype here (`in_place_weights`);
+MOECC_PACK=0 turns it off. bf16 results
 are bit-identical to F.linear (torch's bf16 GEMM is oneDNN's too); fp32 ones agree to ~1e-6
 relative (another summation order).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
 from moecc_runtime import formats
 from moecc_runtime.contract.plan_types import Op, PlanView
-from moecc_runtime.memory.streaming import ExpertWeights, InPlaceWeights, expert_keys, experts_ops
+from moecc_runtime.memory.pinned import available_bytes
+from moecc_runtime.memory.streaming import InPlaceWeights
 from moecc_runtime.memory.weights import WeightStore
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -66,7 +68,7 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.out_features * self.in_features * torch.empty((), dtype=self.dtype).element_size()
+        return self.out_features * self.in_features * self.dtype.itemsize
 
 
 @dataclass
@@ -116,22 +118,10 @@ def _add_op(op: Op, dense, gated, out: PackPlan) -> None:
                 gated(w[f"e{e}.gate"], w[f"e{e}.up"], w[f"e{e}.down"])
 
 
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class PackedInPlaceWeights(InPlaceWeights):
-    """InPlaceWeights with the GEMM-only weights packed (`pack`): `get` returns a PackedLinear
-    for them, and None for an `up` stacked under its gate; `experts` yields (gate+up, None,
-    down) for a stacked expert."""
+    """InPlaceWeights with the GEMM-only weights packed (`pack`): `get` (and so an expert's
+    weights) returns a PackedLinear for them, and None for an `up` stacked under its gate:
+    (gate+up, None, down) for a stacked expert."""
 
     def __init__(self, store: WeightStore, plan: PlanView, pack: PackPlan, rows_hint: int):
         super().__init__(store, plan)
@@ -152,10 +142,10 @@ class PackedInPlaceWeights(InPlaceWeights):
             return self._packed[key]
         return super().get(key)
 
-    def experts(self, name: str, used: list[int]) -> Iterator[ExpertWeights]:
-        op = self._ops[name]
-        for e in used:
-            yield tuple(self.get(k) for k in expert_keys(op, e))  # type: ignore[misc]
+    def _expert_weight(self, key: str):  # type: ignore[override]
+        if key in self._packed:
+            return self._packed[key]
+        return super()._expert_weight(key)
 
 
 def _dtype_works(dtype: torch.dtype | None) -> bool:
@@ -181,14 +171,12 @@ def in_place_weights(store: WeightStore, plan: PlanView, rows_hint: int) -> InPl
         return InPlaceWeights(store, plan)
     pack = packable(plan, store)
     need = sum(_entry_bytes(store, k) for k in pack.keys())
-    free = available_memory()
+    free = available_bytes()
     if not need or (free is not None and need > free // 2):
         return InPlaceWeights(store, plan)
     return PackedInPlaceWeights(store, plan, pack, rows_hint)
 
 
 def _entry_bytes(store: WeightStore, key: str) -> int:
-    n = 1
-    for d in store.manifest[key]["shape"]:
-        n *= int(d)
-    return n * torch.empty((), dtype=store.compute_dtype).element_size()
+    """Bytes of weight `key` in the compute dtype (what its packed copy takes)."""
+    return math.prod(int(d) for d in store.manifest[key]["shape"]) * store.compute_dtype.itemsize

@@ -79,6 +79,7 @@ class InPlaceWeights:
     """No arena: read weights where they are."""
 
     weight_path: WeightPath | None = None  # nothing is copied to a device
+    packed_bytes: int = 0  # weights laid out for the host GEMM (memory/packed_weights.py)
 
     def __init__(self, store: WeightStore, plan: PlanView):
         self.store = store
@@ -100,7 +101,11 @@ class InPlaceWeights:
         """The weights of experts `used` of experts op `name`, in that order."""
         op = self._ops[name]
         for e in used:
-            yield tuple(self.store.get(k) for k in expert_keys(op, e))  # type: ignore[misc]
+            yield tuple(self._expert_weight(k) for k in expert_keys(op, e))  # type: ignore[misc]
+
+    def _expert_weight(self, key: str) -> torch.Tensor:
+        """One expert weight as its MLP takes it (a quantized one dequantized now, not kept)."""
+        return self.store.get(key)
 
     def speculate(self, name: str) -> None:
         """Nothing to fetch: the weights are where they are."""

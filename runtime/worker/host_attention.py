@@ -10,9 +10,8 @@ Decoding rows run in one call of the native kernel (moecc_runtime.native: one wo
 row and KV head, each key and value read once, threads sharing the items). Fresh prompts
 (a row group of one sequence starting at position 0: its new K/V are its whole context) of
 equal length run batched, one causal SDPA call per batch, with no gather
-(kernels.attend_prompts). Any other prompt
-chunk gathers its own sequence's blocks on the host and runs causal SDPA over them: its
-O(n^2) compute dwarfs reading its context once.
+(kernels.attend_prompts). Any other prompt chunk gathers its own sequence's blocks on the
+host and runs causal SDPA over them: its O(n^2) compute dwarfs reading its context once.
 Without the native kernel (not built, or a K/V dtype it does not read), the decoding rows
 go through the gathered path on the host instead (same numerics as GatheredAttention).
 Multi-head attention (GQA included) and absorbed latent attention (MLA) both.

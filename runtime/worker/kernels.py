@@ -202,13 +202,16 @@ def attend_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: lis
                    scale: float, out: torch.Tensor) -> None:
     """Causal attention of fresh prompts (each span's rows are its whole context, positions 0..n-1)
     in one SDPA call per prompt_batches group: right-padded to the group's longest n (none with
-    PROMPT_PAD_RATIO 1), so causality alone keeps every real query off the padding. Multi-head attention without sinks
-    or a window shorter than the prompts. q: [t, Hq, D]  k/v: [t, Hkv, D] -> out[lo:hi] [n, Hq, D]."""
+    PROMPT_PAD_RATIO 1), so causality alone keeps every real query off the (zeroed) padding.
+    Multi-head attention without sinks or a window shorter than the prompts.
+    q: [t, Hq, D]  k/v: [t, Hkv, D] -> out[lo:hi] [n, Hq, D]."""
     Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
     for group in prompt_batches(spans):
         n = group[0][1] - group[0][0]
-        qb = q.new_zeros(len(group), n, Hq, D)  # [S, n, Hq, D]
-        kb, vb = k.new_zeros(len(group), n, Hkv, D), v.new_zeros(len(group), n, Hkv, v.shape[-1])
+        padded = any(hi - lo != n for lo, hi in group)
+        new = torch.zeros if padded else torch.empty
+        qb = new(len(group), n, Hq, D, dtype=q.dtype)  # [S, n, Hq, D]
+        kb, vb = new(len(group), n, Hkv, D, dtype=k.dtype), new(len(group), n, Hkv, v.shape[-1], dtype=v.dtype)
         for i, (lo, hi) in enumerate(group):
             qb[i, :hi - lo], kb[i, :hi - lo], vb[i, :hi - lo] = q[lo:hi], k[lo:hi], v[lo:hi]
         o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),

@@ -237,7 +237,7 @@ class Worker:
                                        for m in self.schedule]
         else:
             self.weights: InPlaceWeights | StreamedWeights = in_place_weights(self.store, self.view, self.b_e)
-            self.stats.packed_weight_bytes = getattr(self.weights, "packed_bytes", 0)
+            self.stats.packed_weight_bytes = self.weights.packed_bytes
             self.kv_staging = KVStaging(self.kv, self.device)
 
     def _init_arena(self, lay: ArenaLayout) -> None:
