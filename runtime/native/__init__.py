@@ -8,6 +8,7 @@ function of the extension itself, called by moecc_runtime.formats._grouped).
 `available()` / `sampling_available()` say whether each was built; `paged_attention(...)` and
 `draw_rows(...)` call them on tensors. MOECC_NO_NATIVE=1 turns both off. The attention kernel's
 builds (baseline, AVX2, AVX-512) and MOECC_NATIVE_ISA: isa.py (`attention_isa()`, `use_attention_isa`).
+Every kernel runs on torch's own OpenMP threads where they can be found: threads.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from moecc_runtime.native import isa
+from moecc_runtime.native import isa, threads
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_PTR, _I64, _I64,  # q, row and head strides
@@ -76,6 +77,7 @@ def _load(module: str, symbol: str) -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     if module == "_paged_attention":
         isa.configure(lib)  # MOECC_NATIVE_ISA
+    threads.hand_over(lib)  # torch's OpenMP team runs its threads (MOECC_NATIVE_TEAM)
     return lib
 
 

@@ -1,7 +1,8 @@
 /* What the runtime's native kernels (paged_attention.c, sample_rows.c) share about the CPU:
  * whether their AVX2+FMA clone (and attention's AVX-512 one) may run (the CPU's own feature bits, asked once: GCC's arch=
  * clones test the model name, which virtual machines often do not report), and running a job
- * on n threads that take work items from it themselves. Header-only. */
+ * on n threads that take work items from it themselves (torch's OpenMP team where it was
+ * handed over). Header-only. */
 #ifndef MOECC_CPU_H
 #define MOECC_CPU_H
 
@@ -49,12 +50,37 @@ static int cpu_isa(void) {
     return known;
 }
 
-/* fn(job) on `nthreads` threads (at most `items`, at least 1), this one among them; returns
- * when all have. The CPU is probed before any thread reads the answer. */
+/* The thread team of the OpenMP runtime torch runs its own ops on: its GOMP_parallel, the entry
+ * point `#pragma omp parallel` compiles to (libgomp, LLVM's libomp and Intel's libiomp5 all
+ * export it), handed over once by moecc_native_set_team (runtime/native/threads.py); NULL:
+ * threads of our own. It matters: after every torch op its threads spin a while waiting for
+ * the next, and a thread of ours on a core with a spinning one runs at about half speed
+ * (measured: attention 1.3x slower right after a GEMM), while the team's own threads take the
+ * work at once. */
+typedef void (*team_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static team_parallel_fn team_parallel = NULL;
+
+/* Run kernels on the team whose GOMP_parallel is `fn` (NULL: on threads of our own). */
+int moecc_native_set_team(void *fn) {
+    team_parallel = (team_parallel_fn)fn;
+    return 0;
+}
+
+typedef struct { void *(*fn)(void *); void *job; } TeamCall;
+static void team_body(void *arg) { const TeamCall *t = (const TeamCall *)arg; t->fn(t->job); }
+
+/* fn(job) on `nthreads` threads (at most `items`, at least 1), this one among them: the
+ * OpenMP team's where one was set, else threads started here; returns when all have. The CPU
+ * is probed before any thread reads the answer. */
 static void run_threads(void *(*fn)(void *), void *job, int nthreads, int64_t items) {
     (void)use_avx2(), (void)cpu_isa();
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;
+    if (nthreads > 1 && team_parallel) {
+        TeamCall t = {fn, job};
+        team_parallel(team_body, &t, (unsigned)nthreads, 0);
+        return;
+    }
     pthread_t th[nthreads > 1 ? nthreads - 1 : 1];
     int started = 0;
     for (int i = 0; i < nthreads - 1; i++) {
