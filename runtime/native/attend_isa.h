@@ -148,12 +148,17 @@ ISA_INLINE void ISA_FN(widen_rows)(float *dst, const void *base, const int64_t *
     }
 }
 
-/* The online softmax over one chunk, per query g: scores [g, :n] become exp(s - the new max),
- * the running max m[g] and sum l[g] move on, the sums acc [g, :Dv] are rescaled. */
-ISA_INLINE void ISA_FN(softmax_chunk)(float *scores, int ss, int n, int G, float *m, float *l, float *acc, int Dv) {
-    const int NV = n - n % VW;
+/* The online softmax over one chunk, per query g over its first nv[g] scores (a group's row
+ * sees only the positions before its ctx): scores [g, :nv[g]] become exp(s - the new max) and
+ * [g, nv[g]:n] zero, the running max m[g] and sum l[g] move on, the sums acc [g, :Dv] are
+ * rescaled. The bits of a query's row alone, whose chunk ends at nv[g]. */
+ISA_INLINE void ISA_FN(softmax_chunk)(float *scores, int ss, int n, const int *nv, int G, float *m, float *l,
+                                      float *acc, int Dv) {
     for (int g = 0; g < G; g++) {
         float *s = scores + (int64_t)g * ss;
+        const int ng = nv[g], NV = ng - ng % VW;
+        for (int i = ng; i < n; i++) s[i] = 0.f;
+        if (!ng) continue;
         float mx = m[g];
         if (NV) {
             VF vm = VLD(s);
@@ -163,32 +168,37 @@ ISA_INLINE void ISA_FN(softmax_chunk)(float *scores, int ss, int n, int G, float
             }
             for (int u = 0; u < VW; u++) mx = vm[u] > mx ? vm[u] : mx;
         }
-        for (int i = NV; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+        for (int i = NV; i < ng; i++) mx = s[i] > mx ? s[i] : mx;
         const float corr = expf(m[g] - mx);  /* 0 on the first chunk (m = -inf) */
-        const float sum = l[g] * corr + exp_sub_sum(s, n, mx);
+        const float sum = l[g] * corr + exp_sub_sum(s, ng, mx);
         if (corr != 1.f)
             for (int d = 0; d < Dv; d++) acc[(int64_t)g * Dv + d] *= corr;
         m[g] = mx, l[g] = sum;
     }
 }
 
-/* One (row, KV head) with this build's loops, CHUNK positions at a time: the chunk's pool
- * offsets, its scores, the running max and sum per query (online softmax), rescaled sums,
- * the values' contributions; the next chunk's blocks are asked for before this one computes
- * (the first chunk's by run_items, an item ahead).
- * scratch: chunk_scratch floats (paged_attention.c). */
-ISA_INLINE void ISA_FN(attend_item)(const Job *j, int64_t r, int h, float *scratch, int bf) {
-    const int G = j->G, D = j->D, Dv = j->Dv, bs = j->bs;
-    float *scores = scratch;                   /* [G, CHUNK] */
-    float *acc = scores + (int64_t)G * CHUNK;  /* [G, Dv] */
-    float *vbuf = acc + (int64_t)G * Dv;       /* [CHUNK, Dv] (BF16_STAGE_V) */
+/* One KV head of a group of `nr` rows (row_groups) with this build's loops, CHUNK positions at
+ * a time up to the last row's ctx: the chunk's pool offsets, its scores, the running max and
+ * sum per query over the positions before its row's ctx (online softmax), rescaled sums, the
+ * values' contributions; the next chunk's blocks are asked for before this one computes (the
+ * first chunk's by run_items, an item ahead). scratch: worker's floats. */
+ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, int h, float *scratch, int bf) {
+    const int G = j->G, GQ = nr * G, D = j->D, Dv = j->Dv, bs = j->bs;
+    float *scores = scratch;                    /* [GQ, CHUNK] */
+    float *acc = scores + (int64_t)GQ * CHUNK;  /* [GQ, Dv] */
+    float *vbuf = acc + (int64_t)GQ * Dv;       /* [CHUNK, Dv] (BF16_STAGE_V) */
+    float *qbuf = vbuf + (int64_t)CHUNK * Dv;   /* [GQ, D]: the group's queries, packed */
     int64_t kat[CHUNK], vat[CHUNK], vrow[CHUNK];
-    float m[G], l[G];
-    for (int g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.f;
-    memset(acc, 0, sizeof(float) * (size_t)G * Dv);
-    const int64_t c = j->ctx[r], lo = j->lo[r];
-    const int64_t *table = j->tables + j->table_off[r];
-    const float *q = j->q + r * j->q_row + (int64_t)h * G * j->q_head;
+    float m[GQ], l[GQ];
+    int nv[GQ];  /* per query: the chunk's positions before its row's ctx */
+    for (int g = 0; g < GQ; g++) m[g] = -INFINITY, l[g] = 0.f;
+    memset(acc, 0, sizeof(float) * (size_t)GQ * Dv);
+    for (int u = 0; u < nr; u++)
+        for (int g = 0; g < G; g++)
+            memcpy(qbuf + (int64_t)(u * G + g) * D, j->q + rows[u] * j->q_row + (int64_t)(h * G + g) * j->q_head,
+                   sizeof(float) * (size_t)D);
+    const int64_t c = j->ctx[rows[nr - 1]], lo = j->lo[rows[0]];
+    const int64_t *table = j->tables + j->table_off[rows[0]];
     for (int64_t p0 = lo; p0 < c; p0 += CHUNK) {
         const int n = (int)(c - p0 < CHUNK ? c - p0 : CHUNK);
         if (p0 + n < c) prefetch_span(j, h, table, p0 + n, c < p0 + n + CHUNK ? c : p0 + n + CHUNK);
@@ -205,27 +215,34 @@ ISA_INLINE void ISA_FN(attend_item)(const Job *j, int64_t r, int h, float *scrat
             for (int i = 0; i < n; i++) vrow[i] = (int64_t)i * Dv;
             vb = vbuf, va = vrow, vbf = 0;
         }
-        ISA_FN(qk)(scores, CHUNK, q, j->q_head, G, j->k, kat, n, D, j->scale, bf);
-        ISA_FN(softmax_chunk)(scores, CHUNK, n, G, m, l, acc, Dv);
-        ISA_FN(pv)(acc, Dv, scores, CHUNK, G, vb, va, n, vbf);
+        ISA_FN(qk)(scores, CHUNK, qbuf, D, GQ, j->k, kat, n, D, j->scale, bf);
+        for (int u = 0; u < nr; u++) {
+            const int64_t cu = j->ctx[rows[u]] - p0;
+            for (int g = 0; g < G; g++) nv[u * G + g] = (int)(cu < 0 ? 0 : cu < n ? cu : n);
+        }
+        ISA_FN(softmax_chunk)(scores, CHUNK, n, nv, GQ, m, l, acc, Dv);
+        ISA_FN(pv)(acc, Dv, scores, CHUNK, GQ, vb, va, n, vbf);
     }
-    finish_item(j, r, h, acc, m, l);
+    for (int u = 0; u < nr; u++)
+        finish_item(j, rows[u], h, acc + (int64_t)u * G * Dv, m + u * G, l + u * G);
 }
 
-/* Take (row, KV head) items from the job's counter until none is left, each claimed one item
- * ahead so that its first chunk is asked for while the one before computes. */
+/* Take work items (group, KV head) from the job's counter until none is left, each claimed
+ * one item ahead so that its first chunk is asked for while the one before computes. */
 ISA_ATTR static void ISA_FN(run_items)(Job *j, float *scratch) {
-    const int64_t items = j->nrows * j->Hkv;
+    const int64_t items = j->ngroups * j->Hkv;
     const int bf = j->kv_dtype == 1;
     int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
     if (it < items) prefetch_item(j, it);
     while (it < items) {
         const int64_t after = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (after < items) prefetch_item(j, after);
-        const int64_t r = j->rows[it / j->Hkv];
+        const int64_t gi = it / j->Hkv;
+        const int64_t *rows = j->rows + j->group[gi];
+        const int nr = (int)(j->group[gi + 1] - j->group[gi]);
         const int h = (int)(it % j->Hkv);
-        if (bf) ISA_FN(attend_item)(j, r, h, scratch, 1);
-        else ISA_FN(attend_item)(j, r, h, scratch, 0);
+        if (bf) ISA_FN(attend_item)(j, rows, nr, h, scratch, 1);
+        else ISA_FN(attend_item)(j, rows, nr, h, scratch, 0);
         it = after;
     }
 }

@@ -5,10 +5,13 @@
  *
  * Each query row r attends positions lo[r] .. ctx[r]-1 of its sequence, whose position p
  * lives in pool block tables[table_off[r] + p / bs] at offset p % bs. One work item is one
- * (row, KV head): its G queries read each key and value once, CHUNK positions at a time
- * across blocks (all the chunk's scores, then one online-softmax step and one pass of the
- * values with the sums in registers; the next chunk's blocks prefetched), so the KV of a
- * decode step is streamed once from memory and a small block costs no more than a large one. Latent attention (MLA,
+ * KV head of a group of rows: a decoding row alone, or up to QUERIES_PER_ITEM / G consecutive
+ * rows of one prompt chunk (row_groups: same table, one position more each, so the causal
+ * mask is each row's own ctx). Its queries read each key and value once, CHUNK positions at a
+ * time across blocks (all the chunk's scores, then one online-softmax step and one pass of
+ * the values with the sums in registers; the next chunk's blocks prefetched), so the KV of a
+ * decode step is streamed once from memory, a small block costs no more than a large one and
+ * a prompt's rows share each load. Latent attention (MLA,
  * absorbed) is the case Hkv = 1, G = heads, values = the first Dv elements of each key
  * (pass the key pool as the value pool). gpt-oss's sinks add one logit per query head that
  * takes probability mass but has no value.
@@ -39,6 +42,7 @@ typedef struct {
     int64_t k_head, k_block, k_pos, v_head, v_block, v_pos;
     int Hkv, G, D, Dv, bs;
     const int64_t *rows; int64_t nrows;              /* which rows to compute */
+    const int64_t *group; int64_t ngroups; int qr;   /* rows[group[i] .. group[i+1]): item i's rows (row_groups) */
     const int64_t *tables, *table_off, *ctx, *lo;   /* per row (indexed by the row itself) */
     const float *sinks;                              /* [Hq] or NULL */
     float scale;
@@ -109,9 +113,9 @@ static inline __attribute__((always_inline)) void prefetch_span(const Job *j, in
     }
 }
 
-/* Ask for the first chunk of work item `it` (its row's positions lo .. lo + CHUNK, head). */
+/* Ask for the first chunk of work item `it` (its rows' positions lo .. lo + CHUNK, head). */
 static inline __attribute__((always_inline)) void prefetch_item(const Job *j, int64_t it) {
-    const int64_t r = j->rows[it / j->Hkv];
+    const int64_t r = j->rows[j->group[it / j->Hkv]];
     const int64_t c = j->ctx[r], lo = j->lo[r];
     prefetch_span(j, (int)(it % j->Hkv), j->tables + j->table_off[r], lo, c < lo + CHUNK ? c : lo + CHUNK);
 }
@@ -198,7 +202,8 @@ int moecc_paged_attention_set_isa(int isa) {
 
 static void *worker(void *arg) {
     Job *j = (Job *)arg;
-    const size_t n = (size_t)j->G * CHUNK + (size_t)j->G * j->Dv + (size_t)CHUNK * j->Dv;  /* attend_item's */
+    const size_t gq = (size_t)j->qr * j->G;  /* queries of one item, at most */
+    const size_t n = gq * CHUNK + gq * j->Dv + (size_t)CHUNK * j->Dv + gq * j->D;  /* attend_item's */
     float *scratch = (float *)malloc(n * sizeof(float));
     if (!scratch) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return NULL; }
     switch (j->isa) {
@@ -214,6 +219,25 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+#ifndef QUERIES_PER_ITEM
+#define QUERIES_PER_ITEM 16  /* a group's rows x G at most (one row alone when G is larger) */
+#endif
+
+/* Cut rows into work groups: consecutive rows r, r+1, ... of one prompt chunk (the same block
+ * table and window start, one position more each) up to qr rows a group, every other row
+ * alone. group[i] is where group i starts in rows, group[ngroups] = nrows; returns ngroups. */
+static int64_t row_groups(const Job *j, int64_t *group) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < j->nrows; i++) {
+        const int64_t r = j->rows[i], p = i ? j->rows[i - 1] : -1;
+        const int join = i > 0 && i - group[n - 1] < j->qr && r == p + 1 && j->table_off[r] == j->table_off[p] &&
+                         j->lo[r] == j->lo[p] && j->ctx[r] == j->ctx[p] + 1;
+        if (!join) group[n++] = i;
+    }
+    group[n] = j->nrows;
+    return n;
+}
+
 /* Returns 0 on success, 1 when scratch memory or a thread could not be had. */
 int moecc_paged_attention(
     const float *q, int64_t q_row, int64_t q_head,
@@ -223,11 +247,15 @@ int moecc_paged_attention(
     const int64_t *rows, int64_t nrows, const int64_t *tables, const int64_t *table_off,
     const int64_t *ctx, const int64_t *lo, const float *sinks, float scale,
     float *out, int64_t o_row, int64_t o_head, int nthreads) {
+    int64_t *group = (int64_t *)malloc((size_t)(nrows + 1) * sizeof(int64_t));
+    if (!group) return 1;
+    const int qr = G < QUERIES_PER_ITEM ? QUERIES_PER_ITEM / G : 1;
     Job j = {q, q_row, q_head, k, v, kv_dtype, k_head, k_block, k_pos, v_head, v_block, v_pos,
-             Hkv, G, D, Dv, bs, rows, nrows, tables, table_off, ctx, lo, sinks, scale,
+             Hkv, G, D, Dv, bs, rows, nrows, group, 0, qr, tables, table_off, ctx, lo, sinks, scale,
              out, o_row, o_head, moecc_paged_attention_isa(), 0, 0};
-    const int64_t items = nrows * Hkv;
-    run_threads(worker, &j, nthreads, items);
+    j.ngroups = row_groups(&j, group);
+    run_threads(worker, &j, nthreads, j.ngroups * Hkv);
+    free(group);
     return j.failed;
 }
 

@@ -36,24 +36,34 @@ from moecc_runtime.worker.attention import attend_decode, blocks_needed, kv_view
 from moecc_runtime.worker.batch import MicroBatch
 
 
+#: prompt chunks of at least this many rows attend through the native kernel with the decoding
+#: rows (a group of a prompt's rows shares each key and value load; 1.5x torch's SDPA at 300-600
+#: tokens, bench/results/README.md). Shorter ones keep SDPA, which in bf16 rounds as
+#: transformers' own prefill does (the kernel's fp32 softmax and sums round once, at the end,
+#: so a bf16 model's logits move by bf16 rounding); there the kernel would buy little anyway
+NATIVE_PROMPT_ROWS = 256
+
+
 @dataclass
 class HostView:
-    """The decoding rows of a micro-batch as the native kernel reads them (one window)."""
+    """The rows of a micro-batch the native kernel computes (one window): every decoding row,
+    and every row of the prompt chunks of at least `prompt_rows` rows."""
 
-    rows: torch.Tensor  # [n] local rows that decode
-    tables: torch.Tensor  # concatenated block tables of those rows
+    rows: torch.Tensor  # [n] local rows the kernel computes
+    tables: torch.Tensor  # concatenated block tables of those rows (a chunk's once, shared by its rows)
     table_off: torch.Tensor  # [t] where row r's table starts in `tables`
     ctx: torch.Tensor  # [t] positions 0..ctx-1 exist
     lo: torch.Tensor  # [t] first position attended (sliding window)
-    prefill: list[tuple[int, int, int, torch.Tensor]]  # (lo row, hi row, start position, [nb] blocks) per prompt chunk
+    prefill: list[tuple[int, int, int, torch.Tensor]]  # (lo row, hi row, start position, [nb] blocks) per other prompt chunk
 
 
-def host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
-    """Built once per micro-batch and window (cached beside its KV views)."""
-    return mb.views.get(HostView, window, "cpu", lambda: _build_host_view(mb, window, bs))
+def host_view(mb: MicroBatch, window: int | None, bs: int, prompt_rows: int | None = None) -> HostView:
+    """Built once per micro-batch and window (cached beside its KV views; one backend asks,
+    always with the same `prompt_rows`: None keeps every prompt chunk out of the kernel)."""
+    return mb.views.get(HostView, window, "cpu", lambda: _build_host_view(mb, window, bs, prompt_rows))
 
 
-def _build_host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
+def _build_host_view(mb: MicroBatch, window: int | None, bs: int, prompt_rows: int | None) -> HostView:
     t = mb.r1 - mb.r0
     rows: list[int] = []
     tables: list[int] = []
@@ -61,13 +71,15 @@ def _build_host_view(mb: MicroBatch, window: int | None, bs: int) -> HostView:
     prefill = []
     for idx, (_, row, start, n) in enumerate(mb.items):
         c = start + n
-        if n > 1:
-            prefill.append((row, row + n, start, torch.tensor(mb.tables[idx][:blocks_needed(c, bs)], dtype=torch.long)))
+        table = mb.tables[idx][:blocks_needed(c, bs)]
+        if n > 1 and (prompt_rows is None or n < prompt_rows):
+            prefill.append((row, row + n, start, torch.tensor(table, dtype=torch.long)))
             continue
-        rows.append(row)
-        off[row], ctx[row] = len(tables), c
-        lo[row] = 0 if window is None else max(0, c - window)
-        tables.extend(mb.tables[idx][:blocks_needed(c, bs)])
+        for i in range(n):  # a chunk's row i sees positions up to start + i (causal)
+            rows.append(row + i)
+            off[row + i], ctx[row + i] = len(tables), start + i + 1
+            lo[row + i] = 0 if window is None else max(0, start + i + 1 - window)
+        tables.extend(table)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     return HostView(as_long(rows), as_long(tables), as_long(off), as_long(ctx), as_long(lo), prefill)
 
@@ -87,9 +99,14 @@ class HostAttention:
         self._gather = KVStaging(pool, torch.device("cpu"))  # the fallback's gather (one growing host buffer)
         self._sinks: dict[str, torch.Tensor] = {}  # device attention sinks' host copies, by op (weights)
 
+    @property
+    def _prompt_rows(self) -> int | None:
+        """Prompt chunks of at least this many rows go through the kernel (None: it is off)."""
+        return NATIVE_PROMPT_ROWS if self.native else None
+
     def prepare(self, mb: MicroBatch, window: int | None) -> None:
         """Build `mb`'s host view for `window` (the native kernel's index tensors, on the host)."""
-        host_view(mb, window, self.pool.block_size)
+        host_view(mb, window, self.pool.block_size, self._prompt_rows)
 
     def forward(self, op: Op, x: torch.Tensor, rope: torch.Tensor, mb: MicroBatch, w: dict[str, torch.Tensor],
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -132,7 +149,7 @@ class HostAttention:
         """Every row of the micro-batch; `new_kv`: its new K/V on the host ([t, Hkv, D|Dv]),
         which are the whole context of a fresh prompt."""
         window = a.get("sliding_window")
-        view = host_view(mb, window, self.pool.block_size)
+        view = host_view(mb, window, self.pool.block_size, self._prompt_rows)
         kp, vp = self._pools(layer, a)
         out = torch.empty((q.shape[0], q.shape[1], vp.shape[-1]), dtype=torch.float32,
                           pin_memory=self.pin)  # [t, Hq, Dv]

@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moecc_runtime import native
+from moecc_runtime.worker import host_attention
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -176,6 +177,35 @@ def test_kernel_threads_agree_bitwise():
         native.paged_attention(q, k, v, rows, tables, table_off, ctx, lo, scale, o, sinks, threads=threads)
         outs.append(o)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_native
+@pytest.mark.parametrize("G,dtype,window", [(4, torch.float32, None), (3, torch.bfloat16, None),
+                                            (4, torch.bfloat16, 50), (16, torch.float32, None)])
+def test_prompt_rows_in_groups_equal_each_row_alone(G, dtype, window):
+    """A prompt chunk's consecutive rows (one table, one position more each) run as groups
+    sharing each key load, their causal mask each row's own ctx: the bits of each row alone.
+    Two chunks (one past its start) and a decoding row in one call; a window moves lo."""
+    bs, start, n = 8, 40, 150
+    case = dict(D=96, Dv=96, mla=False, Hkv=2, G=G, bs=bs, ctx=[start + n, n, 400], lo=[0, 0, 0], rows=[0, 1, 2],
+                sinks=False, dtype=dtype, threads=2, layout="dense", sharp=4.0, spare=1, seed=G)
+    _, k, v, _, tables, table_off, _, _, scale, _, _, _ = build_case(case)
+    t = 2 * n + 1  # chunk A's rows, chunk B's rows, one decoding row
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(t, 2 * G, 96, generator=g)
+    seq = [0] * n + [1] * n + [2]
+    first = [start] * n + [0] * n + [399]
+    ctx = torch.tensor([first[r] + 1 + (r % n if r < 2 * n else 0) for r in range(t)])
+    lo = (ctx - window).clamp(min=0) if window else torch.zeros(t, dtype=torch.long)
+    off = table_off[torch.tensor(seq)]
+    together = torch.full((t, 2 * G, 96), float("nan"))
+    native.paged_attention(q, k, v, torch.arange(t), tables, off, ctx, lo, scale, together)
+    alone = torch.full_like(together, float("nan"))
+    for r in range(t):
+        native.paged_attention(q, k, v, torch.tensor([r]), tables, off, ctx, lo, scale, alone)
+    assert torch.equal(together, alone)
+    ref = reference(q, k, v, torch.arange(t), tables, off, ctx, lo, scale, None)
+    assert max((together[r].double() - want).abs().max().item() for r, (want, _) in ref.items()) < 1e-4
 
 
 # -- 2. argument checks ------------------------------------------------------------------------
@@ -335,10 +365,11 @@ def _tokens(results) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("name", ["mixtral", *(pytest.param(n, marks=pytest.mark.slow)
                                                for n in ("deepseek_v3", "gpt_oss", "mixtral_sw"))])
-def test_host_attention_matches_device_and_transformers(name, models):
+def test_host_attention_matches_device_and_transformers(name, models, monkeypatch):
     """Greedy tokens of attention="host" == attention="device" == transformers; host logits
-    within 1e-4 of transformers'; the fallback without the native kernel and host attention
-    with prompts split into small chunks, the same tokens (6 prompts of 1..34 words, 3..116
+    within 1e-4 of transformers'; the fallback without the native kernel, host attention
+    with prompts split into small chunks and with every prompt chunk of 8 rows or more in the
+    kernel (row groups, windows included), the same tokens (6 prompts of 1..34 words, 3..116
     tokens with the Mixtral tokenizer; micro-batches of 3, a batch limit of 4 so slots are refilled)."""
     from moecc.compiler import compile_model
 
@@ -354,6 +385,8 @@ def test_host_attention_matches_device_and_transformers(name, models):
     # prompts in chunks of at most 13 tokens: chunks that start mid-sequence and mid-block,
     # 1-token remnants that take the kernel's decode path
     chunked = _run(plan, path, reqs, attention="host", max_batch=4, max_prefill_tokens=13, expect=["host", "kernel"])
+    monkeypatch.setattr(host_attention, "NATIVE_PROMPT_ROWS", 8)
+    in_kernel = _run(plan, path, reqs, attention="host", max_batch=4, expect=["host", "kernel"])
     worst = 0.0
     for r in reqs:
         ref_ids, ref_logits = _reference(model, r.prompt_ids)
@@ -361,8 +394,9 @@ def test_host_attention_matches_device_and_transformers(name, models):
         assert device[r.key].token_ids == ref_ids, f"{name} prompt {r.key}: device"
         assert fallback[r.key].token_ids == ref_ids, f"{name} prompt {r.key}: host without the native kernel"
         assert chunked[r.key].token_ids == ref_ids, f"{name} prompt {r.key}: host, prompts in chunks of 13"
+        assert in_kernel[r.key].token_ids == ref_ids, f"{name} prompt {r.key}: host, prompt chunks in the kernel"
         assert len(host[r.key].logits) == len(ref_logits)
-        for a, b in zip(host[r.key].logits, ref_logits):
+        for a, b in zip(host[r.key].logits + in_kernel[r.key].logits, ref_logits + ref_logits):
             worst = max(worst, (a - b).abs().max().item())
     assert worst < 1e-4, f"{name}: host attention's max logit difference to transformers {worst}"
 
