@@ -15,6 +15,14 @@ turn, for fp32 and bf16 pools (the gather path: fp32 only); per layer and per de
 (--layers of them). A table is printed and JSON written (--json). Only attention itself is timed: projections, rope and
 the KV store are the same for both paths and excluded.
 
+With --prompts LENGTHS prefill attention is timed instead: for each length n, --seqs fresh
+prompts of n tokens, every row of each attending its own causal prefix, through the host kernel
+(a prompt's consecutive rows grouped, as HostAttention sends prompt chunks of
+host_attention.NATIVE_PROMPT_ROWS rows or more) against torch's causal SDPA one prompt a call
+(what a prompt alone, or of a length no other shares, runs otherwise), in the pool's dtype.
+
+    python bench/attention.py --prompts 300,450,600 --seqs 16 --block-size 8
+
 With --engine MODEL_DIR the whole worker runs instead: a plan compiled for the shape, B
 prompts of `context` tokens each prefilled, then decode steps, once with attention on the
 host and once with today's gather path (`Engine(attention="device")`, which on a CPU gathers
@@ -164,6 +172,66 @@ def run_engine(model: Path, B: int, contexts: list[int]) -> list[dict[str, Any]]
     return rows
 
 
+def time_prompts(n: int, S: int, dtype: torch.dtype, args: argparse.Namespace, gen: torch.Generator,
+                 repeats: int) -> dict[str, Any]:
+    """Median seconds of one layer's prefill attention for S fresh prompts of n tokens: the host
+    kernel over every row (grouped) against causal SDPA per prompt; and their largest difference."""
+    bs, Hq, Hkv, D = args.block_size, args.heads, args.kv_heads, args.head_dim
+    per = -(-n // bs)
+    pool = KVPool(1, Hkv, D, block_size=bs, num_blocks=S * per, dtype=dtype)
+    pool.k.normal_(generator=gen), pool.v.normal_(generator=gen)
+    order = torch.randperm(S * per, generator=gen)
+    tables = [order[i * per:(i + 1) * per] for i in range(S)]
+    q = torch.randn(S * n, Hq, D, generator=gen).to(dtype)  # [S*n, Hq, D]: the prompts' rows
+    rows = torch.arange(S * n)
+    table_off = torch.repeat_interleave(torch.arange(S) * per, n)
+    ctx = torch.arange(1, n + 1).repeat(S)
+    lo = torch.zeros(S * n, dtype=torch.long)
+    flat = torch.cat(tables)
+    # each prompt's own K/V, contiguous [1, Hkv, n, D]: what SDPA reads (gathered outside the timing)
+    ks = [pool.k[0][:, t].flatten(1, 2)[None, :, :n] for t in tables]
+    vs = [pool.v[0][:, t].flatten(1, 2)[None, :, :n] for t in tables]
+    out_k = torch.empty(S * n, Hq, D)
+    out_s = torch.empty(S * n, Hq, D, dtype=dtype)
+    scale = D ** -0.5
+
+    def kernel() -> None:
+        native.paged_attention(q.float(), pool.k[0], pool.v[0], rows, flat, table_off, ctx, lo, scale, out_k)
+
+    def sdpa() -> None:
+        for i in range(S):
+            qi = q[i * n:(i + 1) * n].transpose(0, 1)[None]  # [1, Hq, n, D]
+            o = torch.nn.functional.scaled_dot_product_attention(qi, ks[i], vs[i], is_causal=True, scale=scale,
+                                                                 enable_gqa=True)
+            out_s[i * n:(i + 1) * n] = o[0].transpose(0, 1)
+
+    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+    kernel(), sdpa()
+    for _ in range(repeats):
+        for name, f in (("kernel", kernel), ("sdpa", sdpa)):
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    k_s, s_s = median(times["kernel"]), median(times["sdpa"])
+    flops = 4.0 * S * Hq * D * n * (n + 1) / 2
+    return {"prompt_tokens": n, "prompts": S, "dtype": str(dtype).removeprefix("torch."), "kernel_s": k_s,
+            "sdpa_s": s_s, "speedup": s_s / k_s, "kernel_GFLOPs": flops / k_s / 1e9, "sdpa_GFLOPs": flops / s_s / 1e9,
+            "max_abs_diff": (out_k - out_s.float()).abs().max().item()}
+
+
+def run_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        for n in (int(x) for x in args.prompts.split(",")):
+            r = time_prompts(n, args.seqs, getattr(torch, dtype), args, gen, args.repeats)
+            rows.append(r)
+            print(f"prompts of {n:4d} {r['dtype']:>8} x{r['prompts']}: kernel {r['kernel_s'] * 1e3:7.2f} ms/layer "
+                  f"({r['kernel_GFLOPs']:.0f} GFLOP/s)  SDPA {r['sdpa_s'] * 1e3:7.2f} ms/layer ({r['sdpa_GFLOPs']:.0f} "
+                  f"GFLOP/s)  kernel {r['speedup']:.2f}x  max|diff| {r['max_abs_diff']:.1e}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=256, help="decoding sequences (B)")
@@ -178,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="KV pool dtypes (the gather path: fp32 only)")
     ap.add_argument("--layers", type=int, default=8, help="layers per decode step (bench768: 8)")
     ap.add_argument("--engine", type=Path, default=None, help="a checkpoint: time the whole worker's attention")
+    ap.add_argument("--prompts", default="", help="prompt lengths: time prefill attention (kernel against SDPA)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "attention.json")
     args = ap.parse_args(argv)
     if args.engine is not None:
@@ -190,6 +259,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not native.available():
         raise SystemExit("bench/attention.py: the native kernel is not built (pip install the project)")
+    if args.prompts:
+        rows = run_prompts(args)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
+                                                     "threads": torch.get_num_threads()},
+                                         "shape": {"heads": args.heads, "kv_heads": args.kv_heads,
+                                                   "head_dim": args.head_dim, "block_size": args.block_size},
+                                         "prefill_per_layer": rows}, indent=1))
+        print(f"wrote {args.json}")
+        return 0
     isas = args.isas.split(",") if args.isas else native.attention_isas()
     before = native.attention_isa()
     gen = torch.Generator().manual_seed(0)

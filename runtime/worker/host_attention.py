@@ -37,7 +37,7 @@ from moecc_runtime.worker.batch import MicroBatch
 
 
 #: prompt chunks of at least this many rows attend through the native kernel with the decoding
-#: rows (a group of a prompt's rows shares each key and value load; 1.5x torch's SDPA at 300-600
+#: rows (a group of a prompt's rows shares each key and value load; 1.2-1.8x torch's SDPA at 300-600
 #: tokens, bench/results/README.md). Shorter ones keep SDPA, which in bf16 rounds as
 #: transformers' own prefill does (the kernel's fp32 softmax and sums round once, at the end,
 #: so a bf16 model's logits move by bf16 rounding); there the kernel would buy little anyway
