@@ -149,7 +149,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
                     table_off: torch.Tensor, ctx: torch.Tensor, lo: torch.Tensor, scale: float,
                     out: torch.Tensor, sinks: torch.Tensor | None = None, threads: int | None = None) -> None:
     """out[r] = attention of q[r] over positions lo[r]..ctx[r]-1 of its block table, for every
-    r in `rows`. needs: q [t, Hq, D] fp32 and out [t, Hq, Dv] fp32 with unit last stride,
+    r in `rows` (consecutive entries r, r+1, ... with one table_off and lo and ctx one more each,
+    a prompt chunk's rows, run as one work item: the same bits as each alone). needs: q [t, Hq, D] fp32 and out [t, Hq, Dv] fp32 with unit last stride,
     k [Hkv, NB, bs, D] / v [Hkv, NB, bs, Dv] one layer of the pool (fp32 or bf16, unit last
     stride; latent attention: v a view of k's first Dv elements), tables the concatenated
     block tables and table_off [t] where row r's starts, ctx / lo [t], rows [n], all int64 on

@@ -30,7 +30,8 @@ def mapped_openmp(maps: str, torch_dir: str) -> str | None:
     `torch_dir` first, else the first mapped. None: none is."""
     found: list[str] = []
     for line in maps.splitlines():
-        path = line.split(None, 5)[5].strip() if len(line.split(None, 5)) == 6 else ""
+        fields = line.split(None, 5)  # address, perms, offset, device, inode, path
+        path = fields[5].strip() if len(fields) == 6 else ""
         if path.startswith("/") and Path(path).name.startswith(OPENMP_NAMES) and path not in found:
             found.append(path)
     inside = [p for p in found if p.startswith(torch_dir)]

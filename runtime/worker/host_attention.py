@@ -7,9 +7,10 @@ Legend: t = rows of the micro-batch, Hq / Hkv = query / key-value heads, D / Dv 
 value head dim, c = context positions of one sequence, nb = blocks of one sequence.
 
 Decoding rows run in one call of the native kernel (moecc_runtime.native: one work item per
-row and KV head, each key and value read once, threads sharing the items). Fresh prompts
-(a row group of one sequence starting at position 0: its new K/V are its whole context) of
-equal length run batched, one causal SDPA call per batch, with no gather
+row and KV head, each key and value read once, threads sharing the items), and with them every
+row of a prompt chunk of NATIVE_PROMPT_ROWS rows or more (the kernel groups a chunk's
+consecutive rows into one item). Shorter fresh prompts (a row group of one sequence starting
+at position 0: its new K/V are its whole context) of equal length run batched, one causal SDPA call per batch, with no gather
 (kernels.attend_prompts). Any other prompt chunk gathers its own sequence's blocks on the
 host and runs causal SDPA over them: its O(n^2) compute dwarfs reading its context once.
 Without the native kernel (not built, or a K/V dtype it does not read), the decoding rows
