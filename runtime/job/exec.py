@@ -57,6 +57,7 @@ class JobSummary:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0  # engine time (model load to last step)
+    load_seconds: float = 0.0  # of which loading the model (weights read, packed); the rest is the run
     wall_seconds: float = 0.0  # the whole job, reading the input included
     status: str = "done"  # "done" | "interrupted" (stopped early; resumable)
     errors: list[dict[str, Any]] = field(default_factory=list)
@@ -367,6 +368,7 @@ def _run(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batch: i
     start = time.perf_counter()
     engine = Engine(job.plan, mdir, pick_device(device), record_steps=stats_path is not None,
                     plan_path=job.plan_path, share_prefixes=job.share_prefixes)
+    job.summary.load_seconds = time.perf_counter() - start
 
     outcome = None
     try:
