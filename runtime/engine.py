@@ -110,13 +110,13 @@ def generate(
         finishing, logits = _fork(sched, sched.advance(plan), logits)
         finishing, logits = _end_unsampled(sched, finishing, logits, out)
         chosen, entries = _sample(finishing, logits, eos, grammar)
-        for i, (s, row, tok) in enumerate(zip(finishing, logits, chosen)):
+        for i, (s, tok) in enumerate(zip(finishing, chosen)):  # (rows of `logits` viewed only when recorded)
             if isinstance(tok, SamplingError):  # this request fails alone
                 sched.retire(s)
                 out.fail(_request(s), f"request {_request(s).key!r}: {tok}", tok)
                 continue
             if record_logits:
-                s.logits.append(row.clone())
+                s.logits.append(logits[i].clone())
             if i in entries:
                 s.logprobs.append(entries[i])
             s.tokens.append(tok)

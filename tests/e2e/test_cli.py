@@ -491,5 +491,6 @@ def test_token_id_prompts_and_stats_file(env: Env, runs: dict[str, Future], tmp_
     data = json.loads(stats.read_text())
     recs = data["engine"]["records"]
     assert data["completion_tokens"] == 8 and len(recs) == data["engine"]["steps"] >= 4
+    assert 0 < data["load_seconds"] < data["seconds"] <= data["wall_seconds"]  # load, then the run, inside the job
     assert sum(r["prefill_tokens"] + r["decode_tokens"] for r in recs) == data["engine"]["tokens"]
     assert all(r["kv_allocated_bytes"] >= r["kv_live_bytes"] > 0 for r in recs)
