@@ -31,10 +31,8 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     T = x.shape[0] if x.dim() > 1 else 0
     if x.device.type != "cpu" or T <= NORM_ROWS:
         return _rmsnorm(x, w, eps)
-    first = _rmsnorm(x[:NORM_ROWS], w, eps)
-    out = first.new_empty((T,) + tuple(first.shape[1:]))  # [T, ..., H] in the product's dtype
-    out[:NORM_ROWS] = first
-    for s in range(NORM_ROWS, T, NORM_ROWS):
+    out = torch.empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype))  # [T, ..., H]: w * x's dtype
+    for s in range(0, T, NORM_ROWS):
         out[s:s + NORM_ROWS] = _rmsnorm(x[s:s + NORM_ROWS], w, eps)
     return out
 
