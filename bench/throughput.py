@@ -153,14 +153,19 @@ def compile_and_exec(model: Path, prompts: Path, work: Path, name: str, compile_
     """`moecc compile` then `moecc exec --stats` as subprocesses: (plan, stats, exec wall
     seconds, results file)."""
     plan = work / f"plan-{name}.pt"
-    moecc = [sys.executable, "-m", "moecc.cli"]
-    subprocess.run(moecc + ["compile", str(model), "-o", str(plan)] + compile_args, check=True,
+    subprocess.run([sys.executable, "-m", "moecc.cli", "compile", str(model), "-o", str(plan)] + compile_args, check=True,
                    stdout=subprocess.DEVNULL)
+    return (plan, *exec_plan(plan, prompts, work, name))
+
+
+def exec_plan(plan: Path, prompts: Path, work: Path, name: str) -> tuple[dict[str, Any], float, Path]:
+    """`moecc exec --stats` of a compiled plan as a subprocess: (stats, exec wall seconds,
+    results file); the results file is overwritten."""
     stats, results = work / f"stats-{name}.json", work / f"results-{name}.jsonl"
     t0 = time.perf_counter()
-    subprocess.run(moecc + ["exec", str(plan), str(prompts), "-o", str(results), "--stats", str(stats),
-                            "--device", "cpu", "--overwrite"], check=True)
-    return plan, json.loads(stats.read_text()), time.perf_counter() - t0, results
+    subprocess.run([sys.executable, "-m", "moecc.cli", "exec", str(plan), str(prompts), "-o", str(results),
+                    "--stats", str(stats), "--device", "cpu", "--overwrite"], check=True)
+    return json.loads(stats.read_text()), time.perf_counter() - t0, results
 
 
 def steady_decode_rate(recs: list[dict[str, Any]]) -> float | None:

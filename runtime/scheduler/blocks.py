@@ -115,6 +115,18 @@ class BlockAllocator:
         self.lengths[sid] = max(self.lengths.get(sid, 0), tokens)
         return new
 
+    def extend_in_place(self, sid: int, pos: int) -> bool:
+        """The decode fast path of needs + writable + reserve for one position: when `pos`
+        lies in `sid`'s last block and no other sequence holds that block, mark it reserved
+        and return True (no block taken, nothing to copy: what the general path would do);
+        else False, nothing changed."""
+        table = self.tables.get(sid)
+        if not table or len(table) != pos // self.block_size + 1 or self._refs[table[-1]] != 1:
+            return False
+        if self.lengths[sid] <= pos:
+            self.lengths[sid] = pos + 1
+        return True
+
     def writable(self, sid: int, start: int) -> list[tuple[int, int]]:
         """Give `sid` blocks of its own for positions start.. where it shares them (copy on
         write); returns the (source, destination) copies the worker must make before the
@@ -197,6 +209,8 @@ class BlockAllocator:
     def slots(self, sid: int, start: int, n: int) -> tuple[list[int], list[int]]:
         """Physical (block, offset) of positions start..start+n-1 of `sid` (already reserved)."""
         table, bs = self.tables[sid], self.block_size
+        if n == 1 and start < len(table) * bs:  # a decode step's one position
+            return [table[start // bs]], [start % bs]
         if start + n > len(table) * bs:
             raise IndexError(f"sequence {sid}: positions up to {start + n} not reserved "
                              f"({len(table)} blocks of {bs})")

@@ -236,6 +236,8 @@ class Scheduler:
         """Reserve each chunk's positions in work order; at the first that does not fit, stop
         and say so (what is reserved stays reserved)."""
         for s, n in work:
+            if n == 1 and self.blocks.extend_in_place(s.sid, s.cached):
+                continue  # a decode position in its own last block: nothing to take or copy
             need = self.blocks.needs(s.sid, s.cached + n, s.cached)
             if need > self.blocks.free_blocks:
                 return KVCacheFull(s.sid, need, self.blocks.free_blocks, self.blocks.num_blocks)

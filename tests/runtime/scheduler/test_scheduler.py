@@ -4,6 +4,11 @@ pool, it rejects a request the whole pool cannot hold, and each plan names its p
 
 from __future__ import annotations
 
+import copy
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from moecc_runtime.scheduler.blocks import BlockAllocator
 from moecc_runtime.scheduler.scheduler import Scheduler, reserve_step
 from moecc_runtime.scheduler.sequence import GenRequest, Sequence
@@ -93,3 +98,33 @@ def test_phase_follows_the_prompt_share_and_new_blocks_are_listed_once():
     plan = reserve_step(blocks, [(seq, 1)])
     assert plan.phase == "decode" and plan.prefill_tokens == 0 and plan.new_blocks == []
     assert plan.seqs[0].finishes and (plan.seqs[0].slot_blocks, plan.seqs[0].slot_offsets) == ([2], [2])
+
+
+def _state(blocks: BlockAllocator) -> tuple:
+    return (blocks.tables, blocks.lengths, blocks._refs, blocks._free, list(blocks._cached), blocks.usage())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_decode_fast_path_does_what_the_general_path_does(data):
+    """extend_in_place (the scheduler's decode fast path) says yes only where the general
+    path (needs, writable, reserve) would take no block and copy none, and leaves the
+    allocator exactly as that path does; where it says no, it changed nothing."""
+    bs = data.draw(st.integers(1, 4), label="block size")
+    blocks = BlockAllocator(64, bs)
+    sids = []
+    for sid in range(data.draw(st.integers(1, 5), label="sequences")):
+        if sids and data.draw(st.booleans(), label="fork"):
+            blocks.fork(data.draw(st.sampled_from(sids)), sid)  # shares every block of its parent
+        else:
+            blocks.reserve(sid, data.draw(st.integers(1, 12), label="positions"))
+        sids.append(sid)
+    for sid in sids:
+        pos = data.draw(st.integers(0, blocks.lengths[sid] + bs), label="position")
+        fast, slow = copy.deepcopy(blocks), copy.deepcopy(blocks)
+        if not fast.extend_in_place(sid, pos):
+            assert _state(fast) == _state(blocks)
+            continue
+        assert slow.needs(sid, pos + 1, pos) == 0 and slow.writable(sid, pos) == [] and slow.reserve(sid, pos + 1) == []
+        assert _state(fast) == _state(slow)
+        fast.check_invariants()
