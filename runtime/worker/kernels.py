@@ -74,9 +74,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: torch.Tensor):
     """Project, q/k-norm and rotate one micro-batch's tokens: q [T, Hq, D], k/v [T, Hkv, D]."""
     D, Hq, Hkv = a["head_dim"], a["num_heads"], a["num_kv_heads"]
-    q = linear(x, w["q"], w.get("q_bias"))  # [T, Hq*D]
-    k = linear(x, w["k"], w.get("k_bias"))  # [T, Hkv*D]
-    v = linear(x, w["v"], w.get("v_bias"))
+    if w["k"] is None:  # q, k and v packed stacked (memory/packed_weights.py): one GEMM, then column views
+        q, k, v = linear(x, w["q"]).split(w["q"].sections, dim=-1)  # [T, Hq*D], [T, Hkv*D] x2
+    else:
+        q = linear(x, w["q"], w.get("q_bias"))  # [T, Hq*D]
+        k = linear(x, w["k"], w.get("k_bias"))  # [T, Hkv*D]
+        v = linear(x, w["v"], w.get("v_bias"))
     full = a.get("qk_norm") == "full"  # OLMoE: over the whole projection, before the head split
     if "q_norm" in w and full:
         q = rmsnorm(q, w["q_norm"], a["qk_norm_eps"])

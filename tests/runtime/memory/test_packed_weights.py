@@ -1,6 +1,7 @@
 """Weights packed for the host GEMM (runtime/memory/packed_weights.py): the packed product is
 F.linear's (bf16 bit for bit, fp32 to rounding), an expert's stacked gate and up give the
-unpacked MLP, and a plan packs exactly the weights only a GEMM reads."""
+unpacked MLP, an attention's stacked q, k and v its three projections (bf16 bit for bit), and a
+plan packs exactly the weights only a GEMM reads."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from moecc_runtime.memory.packed_weights import (PackedInPlaceWeights, PackedLin
                                                  packing_available)
 from moecc_runtime.memory.streaming import InPlaceWeights
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
-from moecc_runtime.worker.kernels import gated_mlp
+from moecc_runtime.worker.kernels import attention_qkv, gated_mlp, rope_table
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
 SMALL = dict(prompt_tokens=16, output_tokens=8, max_batch=4)
@@ -43,6 +44,26 @@ def test_stacked_gate_and_up_give_the_gated_mlp():
     torch.testing.assert_close(packed, gated_mlp(x, gate, up, down, "silu"), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 9, 512])
+def test_stacked_q_k_v_give_the_three_projections(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    H, D, Hq, Hkv = 64, 16, 4, 2
+    q, k, v = (torch.randn(n * D, H, generator=g).to(dtype) for n in (Hq, Hkv, Hkv))
+    x = torch.randn(rows, H, generator=g).to(dtype)
+    a = {"head_dim": D, "num_heads": Hq, "num_kv_heads": Hkv}
+    rope = rope_table(torch.arange(rows), 1.0 / 10000 ** (torch.arange(0, D, 2) / D), 1.0, dtype)  # [rows, 2D]
+    stacked = PackedLinear(torch.cat((q, k, v)), 16, sections=(Hq * D, Hkv * D, Hkv * D))
+    got = attention_qkv(x, {"q": stacked, "k": None, "v": None}, a, rope)
+    want = attention_qkv(x, {"q": PackedLinear(q, 16), "k": PackedLinear(k, 16), "v": PackedLinear(v, 16)}, a, rope)
+    for t, u in zip(got, want):
+        assert t.shape == u.shape
+        if dtype == torch.bfloat16:
+            assert torch.equal(t, u)
+        else:
+            torch.testing.assert_close(t, u, rtol=1e-5, atol=1e-5)
+
+
 def _store(plan, model_dir):
     view = PlanView.of(plan)
     dtype = TORCH_DTYPES[view.info.dtype]
@@ -62,6 +83,12 @@ def test_a_plan_packs_the_weights_only_a_gemm_reads(family, tmp_path):
     assert kinds["lm_head"].weights["weight"] in pack.single
     attn = kinds["attention"].weights
     assert attn["o"] in pack.single
+    if family == "mixtral":  # q, k, v without biases: one stacked GEMM
+        assert pack.qkv == [(op.weights["q"], op.weights["k"], op.weights["v"])
+                            for m in view.schedule for op in m.ops if op.op == "attention"]
+    else:  # MLA has no k / v; gpt-oss's projections have biases: each its own GEMM
+        assert pack.qkv == []
+        assert family != "gpt_oss" or "q_bias" in attn
     if "kv_b" in attn:  # MLA's absorption reads kv_b as a tensor
         assert attn["kv_b"] not in pack.keys()
     experts = kinds["experts"]
