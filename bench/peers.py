@@ -335,9 +335,9 @@ def print_table(r: dict[str, Any]) -> None:
                    f"{(e['steady_decode_tokens_per_s'] or 0):.1f} = {(e['steady_decode_of_roofline'] or 0):.0%} of " \
                    f"the GEMM roofline {e['roofline_tokens_per_s']:.0f}"
         if "rounds" in e:
-            note = "rounds " + "/".join(f"{x.get('tokens_per_s') or 0:.0f}" for x in e["rounds"]) + \
-                ("; x peer same round " + "/".join(f"{x['x_best_peer_same_round']:.2f}" for x in e["rounds"]
-                                                   if "x_best_peer_same_round" in x)) + "; " + note
+            same = [f"{x['x_best_peer_same_round']:.2f}" for x in e["rounds"] if "x_best_peer_same_round" in x]
+            note = "; ".join(["rounds " + "/".join(f"{x.get('tokens_per_s') or 0:.0f}" for x in e["rounds"])]
+                             + (["x peer same round " + "/".join(same)] if same else []) + ([note] if note else []))
         print(f"{e['engine']:42s} {e['tokens_per_s']:9.1f} {ratio:>12s}  {note}")
 
 
