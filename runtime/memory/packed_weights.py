@@ -40,6 +40,7 @@ from moecc_runtime.memory.weights import WeightStore
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _ATTENTION_GEMMS = ("q", "k", "v", "o", "q_a", "q_b", "kv_a")  # read only by kernels.linear
+_QKV = ("q", "k", "v")  # stacked into one GEMM where none has a bias (PackPlan.qkv)
 
 
 def packing_available() -> bool:
@@ -116,10 +117,10 @@ def _add_op(op: Op, dense, gated, out: PackPlan) -> None:
     if op.op in ("linear", "lm_head") and dense(w["weight"]):
         out.single.append(w["weight"])
     elif op.op == "attention":
-        qkv = all(k in w and dense(w[k]) for k in ("q", "k", "v")) and not any(f"{k}_bias" in w for k in "qkv")
+        qkv = all(k in w and dense(w[k]) for k in _QKV) and not any(f"{k}_bias" in w for k in _QKV)
         if qkv:
             out.qkv.append((w["q"], w["k"], w["v"]))
-        out.single.extend(w[k] for k in _ATTENTION_GEMMS if k in w and dense(w[k]) and not (qkv and k in "qkv"))
+        out.single.extend(w[k] for k in _ATTENTION_GEMMS if k in w and dense(w[k]) and not (qkv and k in _QKV))
     elif op.op == "mlp":
         gated(w["gate"], w["up"], w["down"])
     elif op.op == "experts" and a.get("act") != "clamped_swiglu":
