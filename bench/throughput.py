@@ -153,8 +153,8 @@ def compile_and_exec(model: Path, prompts: Path, work: Path, name: str, compile_
     """`moecc compile` then `moecc exec --stats` as subprocesses: (plan, stats, exec wall
     seconds, results file)."""
     plan = work / f"plan-{name}.pt"
-    subprocess.run([sys.executable, "-m", "moecc.cli", "compile", str(model), "-o", str(plan)] + compile_args, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "moecc.cli", "compile", str(model), "-o", str(plan)] + compile_args,
+                   check=True, stdout=subprocess.DEVNULL)
     return (plan, *exec_plan(plan, prompts, work, name))
 
 

@@ -54,8 +54,9 @@ def packing_available() -> bool:
 
 class PackedLinear:
     """A dense [out, in] weight in oneDNN's blocked layout; `self(x, bias)` = F.linear(x, w, bias).
-    `split`: where the rows of a stacked gate and up part (gate rows [0, split)), else None;
-    `sections`: the row counts of stacked q, k and v, else None."""
+    A stacked weight (gate and up, or q, k and v, one after another by rows) has `sections`,
+    the row counts of its parts, and `split`, where the first ends (gate rows [0, split));
+    both None otherwise."""
 
     __slots__ = ("packed", "out_features", "in_features", "dtype", "split", "sections")
 
@@ -140,19 +141,12 @@ class PackedInPlaceWeights(InPlaceWeights):
         for key in pack.single:
             self._packed[key] = PackedLinear(store.get(key), rows_hint)
             store.drop(key)
-        for gate, up in pack.stacked:
-            g, u = store.get(gate), store.get(up)  # [I, H] each
-            self._packed[gate] = PackedLinear(torch.cat((g, u), dim=0), rows_hint, split=int(g.shape[0]))  # [2I, H]
-            self._packed[up] = None
-            store.drop(gate)
-            store.drop(up)
-        for keys in pack.qkv:
-            ws = [store.get(k) for k in keys]  # [Hq*D, H], [Hkv*D, H] x2
+        for keys in pack.stacked + pack.qkv:  # (gate, up) [I, H] each; (q, k, v) [Hq*D, H], [Hkv*D, H] x2
+            ws = [store.get(k) for k in keys]
             sections = tuple(int(t.shape[0]) for t in ws)
-            self._packed[keys[0]] = PackedLinear(torch.cat(ws, dim=0), rows_hint, sections=sections)
+            self._packed[keys[0]] = PackedLinear(torch.cat(ws, dim=0), rows_hint, split=sections[0], sections=sections)
+            self._packed.update(dict.fromkeys(keys[1:]))  # read through the first key's stacked weight
             for k in keys:
-                if k != keys[0]:
-                    self._packed[k] = None
                 store.drop(k)
         self.packed_bytes = sum(p.nbytes for p in self._packed.values() if p is not None)
 

@@ -209,8 +209,6 @@ class BlockAllocator:
     def slots(self, sid: int, start: int, n: int) -> tuple[list[int], list[int]]:
         """Physical (block, offset) of positions start..start+n-1 of `sid` (already reserved)."""
         table, bs = self.tables[sid], self.block_size
-        if n == 1 and start < len(table) * bs:  # a decode step's one position
-            return [table[start // bs]], [start % bs]
         if start + n > len(table) * bs:
             raise IndexError(f"sequence {sid}: positions up to {start + n} not reserved "
                              f"({len(table)} blocks of {bs})")
