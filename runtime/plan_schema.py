@@ -29,6 +29,7 @@ and its parts) and the sidecar of weights quantized at compile (`Fingerprint.sid
 
 # no `from __future__ import annotations`: TypedDict reads NotRequired from live annotations
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Literal, NotRequired, TypedDict, Union
@@ -278,17 +279,26 @@ def validate(data: Any, spec: Any = Plan, path: str = "plan") -> None:
 def _validate_record(data: Any, spec: Any, path: str) -> None:
     if not isinstance(data, dict):
         raise SchemaError(path, f"expected an object, got {_what(data)}")
-    hints = typing.get_type_hints(spec)
+    fields, required = _fields(spec)
     for k in data:
-        if k not in hints:
-            raise SchemaError(f"{path}.{k}", f"unknown field (this runtime reads {', '.join(hints)})")
-    required = getattr(spec, "__required_keys__", hints.keys())  # a dataclass record: every field
-    for k, t in hints.items():
+        if k not in fields:
+            raise SchemaError(f"{path}.{k}", f"unknown field (this runtime reads {', '.join(fields)})")
+    for k, t in fields.items():
         if k not in data:
             if k in required:
                 raise SchemaError(f"{path}.{k}", "missing")
             continue
-        validate(data[k], _unwrap_not_required(t), f"{path}.{k}")
+        validate(data[k], t, f"{path}.{k}")
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(spec: Any) -> tuple[dict[str, Any], frozenset[str]]:
+    """A record type's fields with their types (NotRequired unwrapped) and the required ones
+    (a dataclass: every field); resolved once per type, not once per record (a plan has tens
+    of thousands). The dict is shared: read it, never change it."""
+    hints = typing.get_type_hints(spec)
+    fields = {k: _unwrap_not_required(t) for k, t in hints.items()}
+    return fields, frozenset(getattr(spec, "__required_keys__", hints.keys()))
 
 
 def _unwrap_not_required(t: Any) -> Any:
