@@ -77,10 +77,12 @@ def time_paths(pool: KVPool, mb: MicroBatch, q: torch.Tensor, a: dict, repeats: 
         pool.gather(0, kview.blocks, kbuf, vbuf)
         attend_decode(out_g, q, kbuf, vbuf, kview, a, None)
 
+    qk = q.to(pool.k.dtype)  # the queries as the worker hands them over: a bf16 model's in bf16
+
     def host(name: str) -> Callable[[], None]:
         def run() -> None:
             native.use_attention_isa(name)
-            native.paged_attention(q, pool.k[0], pool.v[0], hv.rows, hv.tables, hv.table_off, hv.ctx, hv.lo,
+            native.paged_attention(qk, pool.k[0], pool.v[0], hv.rows, hv.tables, hv.table_off, hv.ctx, hv.lo,
                                    a["scaling"], outs[name])
         return run
 
@@ -196,7 +198,8 @@ def time_prompts(n: int, S: int, dtype: torch.dtype, args: argparse.Namespace, g
     scale = D ** -0.5
 
     def kernel() -> None:
-        native.paged_attention(q.float(), pool.k[0], pool.v[0], rows, flat, table_off, ctx, lo, scale, out_k)
+        native.paged_attention(q if q.dtype in native.KV_DTYPES else q.float(), pool.k[0], pool.v[0], rows, flat,
+                               table_off, ctx, lo, scale, out_k)  # as the worker: bf16 q as it is
 
     def sdpa() -> None:
         for i in range(S):

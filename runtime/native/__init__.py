@@ -7,7 +7,7 @@ function of the extension itself, called by moecc_runtime.formats._grouped).
 
 `available()` / `sampling_available()` say whether each was built; `paged_attention(...)` and
 `draw_rows(...)` call them on tensors. MOECC_NO_NATIVE=1 turns both off. The attention kernel's
-builds (baseline, AVX2, AVX-512) and MOECC_NATIVE_ISA: isa.py (`attention_isa()`, `use_attention_isa`).
+builds (baseline, AVX2, AVX-512, AVX-512 + AVX512-BF16) and MOECC_NATIVE_ISA: isa.py (`attention_isa()`, `use_attention_isa`).
 Every kernel runs on torch's own OpenMP threads where they can be found: threads.py.
 """
 
@@ -25,7 +25,7 @@ import torch
 from moecc_runtime.native import isa, threads
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ARGTYPES = [_PTR, _I64, _I64,  # q, row and head strides
+_ARGTYPES = [_PTR, _I64, _I64, _INT,  # q, row and head strides, q dtype
              _PTR, _PTR, _INT,  # k, v, kv dtype
              _I64, _I64, _I64, _I64, _I64, _I64,  # k head/block/pos strides, v the same
              _INT, _INT, _INT, _INT, _INT,  # Hkv, G, D, Dv, bs
@@ -150,7 +150,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
                     out: torch.Tensor, sinks: torch.Tensor | None = None, threads: int | None = None) -> None:
     """out[r] = attention of q[r] over positions lo[r]..ctx[r]-1 of its block table, for every
     r in `rows` (consecutive entries r, r+1, ... with one table_off and lo and ctx one more each,
-    a prompt chunk's rows, run as one work item: the same bits as each alone). needs: q [t, Hq, D] fp32 and out [t, Hq, Dv] fp32 with unit last stride,
+    a prompt chunk's rows, run as one work item: the same bits as each alone). needs: q [t, Hq, D]
+    fp32 or bf16 (bf16 over a bf16 pool: scored by vdpbf16ps where the avx512bf16 build runs,
+    else widened exactly) and out [t, Hq, Dv] fp32 with unit last stride,
     k [Hkv, NB, bs, D] / v [Hkv, NB, bs, Dv] one layer of the pool (fp32 or bf16, unit last
     stride; latent attention: v a view of k's first Dv elements), tables the concatenated
     block tables and table_off [t] where row r's starts, ctx / lo [t], rows [n], all int64 on
@@ -164,8 +166,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
     for name, x in (("q", q), ("out", out), ("k", k), ("v", v)):
         if x.stride(-1) != 1 or x.device.type != "cpu":
             raise ValueError(f"paged_attention: {name} must be a CPU tensor with a unit last stride")
-    if q.dtype != torch.float32 or out.dtype != torch.float32 or k.dtype != v.dtype or k.dtype not in KV_DTYPES:
-        raise ValueError(f"paged_attention: q/out fp32 and K/V fp32 or bf16, got {q.dtype}, {out.dtype}, {k.dtype}")
+    if q.dtype not in KV_DTYPES or out.dtype != torch.float32 or k.dtype != v.dtype or k.dtype not in KV_DTYPES:
+        raise ValueError(f"paged_attention: q fp32 or bf16, out fp32 and K/V fp32 or bf16, got {q.dtype}, "
+                         f"{out.dtype}, {k.dtype}")
     t = q.shape[0]
     if Hq % Hkv or q.shape[-1] != D or tuple(out.shape) != (t, Hq, Dv) or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"paged_attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
@@ -180,7 +183,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
         raise ValueError("paged_attention: rows, tables, table_off, ctx and lo must be int64")
     sk = sinks.float().contiguous() if sinks is not None else None
     rc = lib.moecc_paged_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), KV_DTYPES[k.dtype],
+        q.data_ptr(), q.stride(0), q.stride(1), KV_DTYPES[q.dtype], k.data_ptr(), v.data_ptr(), KV_DTYPES[k.dtype],
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         Hkv, Hq // Hkv, D, Dv, bs, idx[0].data_ptr(), idx[0].numel(), idx[1].data_ptr(), idx[2].data_ptr(),
         idx[3].data_ptr(), idx[4].data_ptr(), sk.data_ptr() if sk is not None else None, float(scale),

@@ -8,6 +8,8 @@
  *   PV_NV     vectors of Dv per query that pv keeps in registers
  *   BF16_STAGE_V  1: a bf16 chunk's values are widened once into scratch before pv (faster
  *             for 8 lanes, whose pv passes over the chunk several times), 0: in registers
+ *   QK_BF16   (optional, 16 lanes with AVX512-BF16 only) 1: bf16 queries over bf16 keys score
+ *             by qk_bf16 (vdpbf16ps); every other build widens bf16 queries and runs qk
  * and this file undefines them again. It needs paged_attention.c's Job, kv_at, exp_sub_sum,
  * CHUNK, prefetch_span, prefetch_item and finish_item. K/V are fp32 or bf16 (`bf`, a constant in each
  * specialization: bf16 lanes are widened in registers, exactly), accumulation always fp32. */
@@ -17,6 +19,9 @@
 #define ISA_FN(name) ISA_CAT(name, ISA_NAME)
 #define ISA_INLINE ISA_ATTR __attribute__((always_inline)) static inline
 _Static_assert(PV_NV >= 1 && PV_NV <= 6, "attend_isa.h: PV_NV must be 1..6 (pv_rest's cases)");
+#ifndef QK_BF16
+#define QK_BF16 0
+#endif
 
 /* VW lanes of a K or V pool from element `at` (fp32, or bf16 widened). */
 ISA_INLINE VF ISA_FN(kv_ld)(const void *base, int64_t at, int bf) {
@@ -78,6 +83,66 @@ ISA_INLINE void ISA_FN(qk)(float *s, int ss, const float *q, int64_t qs, int G, 
         }
     }
 }
+
+#if QK_BF16
+/* qk for bf16 queries and keys, q and k as they are: each vdpbf16ps adds the exact products of
+ * 32 (q, k) element pairs into 16 fp32 lanes, so a step covers 32 elements of D with half qk's
+ * instructions and no widening. The same tiles and the same reduce as qk (a row's bits still do
+ * not depend on its group), the D % 32 elements left in scalar fp32; only the order of the sums
+ * differs from qk's. */
+ISA_INLINE void ISA_FN(qk_bf16)(float *s, int ss, const uint16_t *q, int64_t qs, int G, const uint16_t *k,
+                                const int64_t *kat, int n, int D, float scale) {
+    const int DV = D - D % 32;
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const uint16_t *qg[4] = {q + g * qs, q + (g + 1) * qs, q + (g + 2) * qs, q + (g + 3) * qs};
+        for (int i = 0; i < n; i += 2) {
+            const int64_t k0 = kat[i], k1 = i + 1 < n ? kat[i + 1] : k0;  /* odd n: the last twice */
+            __m512 a[8];  /* a[u]: query u . k0, a[4 + u]: query u . k1 */
+            for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
+            for (int d = 0; d < DV; d += 32) {
+                const __m512bh x0 = (__m512bh)_mm512_loadu_si512(k + k0 + d);
+                const __m512bh x1 = (__m512bh)_mm512_loadu_si512(k + k1 + d);
+                for (int u = 0; u < 4; u++) {
+                    const __m512bh y = (__m512bh)_mm512_loadu_si512(qg[u] + d);
+                    a[u] = _mm512_dpbf16_ps(a[u], y, x0), a[4 + u] = _mm512_dpbf16_ps(a[4 + u], y, x1);
+                }
+            }
+            VF av[8];
+            for (int u = 0; u < 8; u++) av[u] = (VF)a[u];
+            float t[8];
+            st8(t, VSUM8(av));
+            for (int d = DV; d < D; d++) {
+                const float x0 = bf16_at(k, k0 + d), x1 = bf16_at(k, k1 + d);
+                for (int u = 0; u < 4; u++) t[u] += bf16_at(qg[u], d) * x0, t[4 + u] += bf16_at(qg[u], d) * x1;
+            }
+            for (int u = 0; u < 4; u++) s[(g + u) * ss + i] = t[u] * scale;
+            if (i + 1 < n)
+                for (int u = 0; u < 4; u++) s[(g + u) * ss + i + 1] = t[4 + u] * scale;
+        }
+    }
+    for (; g < G; g++) {
+        const uint16_t *qg = q + g * qs;
+        for (int i = 0; i < n; i += 8) {
+            int64_t ki[8];
+            for (int u = 0; u < 8; u++) ki[u] = kat[i + u < n ? i + u : n - 1];  /* past n: the last again */
+            __m512 a[8];  /* a[u]: the query . k_{i+u} */
+            for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
+            for (int d = 0; d < DV; d += 32) {
+                const __m512bh y = (__m512bh)_mm512_loadu_si512(qg + d);
+                for (int u = 0; u < 8; u++) a[u] = _mm512_dpbf16_ps(a[u], y, (__m512bh)_mm512_loadu_si512(k + ki[u] + d));
+            }
+            VF av[8];
+            for (int u = 0; u < 8; u++) av[u] = (VF)a[u];
+            float t[8];
+            st8(t, VSUM8(av));
+            for (int d = DV; d < D; d++)
+                for (int u = 0; u < 8; u++) t[u] += bf16_at(qg, d) * bf16_at(k, ki[u] + d);
+            for (int u = 0; u < 8 && i + u < n; u++) s[g * ss + i + u] = t[u] * scale;
+        }
+    }
+}
+#endif
 
 /* acc[g, d0 .. d0 + NV * VW) += sum_i p[g * ss + i] * v_i for `nq` (1..4) queries from g0,
  * value i at element vat[i]: their sums in registers while the chunk's values stream past,
@@ -187,16 +252,21 @@ ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, i
     float *scores = scratch;                    /* [GQ, CHUNK] */
     float *acc = scores + (int64_t)GQ * CHUNK;  /* [GQ, Dv] */
     float *vbuf = acc + (int64_t)GQ * Dv;       /* [CHUNK, Dv] (BF16_STAGE_V) */
-    float *qbuf = vbuf + (int64_t)CHUNK * Dv;   /* [GQ, D]: the group's queries, packed */
+    float *qbuf = vbuf + (int64_t)CHUNK * Dv;   /* [GQ, D]: the group's queries, packed (fp32, or bf16 for qk_bf16) */
     int64_t kat[CHUNK], vat[CHUNK], vrow[CHUNK];
     float m[GQ], l[GQ];
     int nv[GQ];  /* per query: the chunk's positions before its row's ctx */
     for (int g = 0; g < GQ; g++) m[g] = -INFINITY, l[g] = 0.f;
     memset(acc, 0, sizeof(float) * (size_t)GQ * Dv);
+    const int qbf = QK_BF16 && bf && j->q_dtype == 1;  /* bf16 q over bf16 K: qk_bf16, q packed as it is */
     for (int u = 0; u < nr; u++)
-        for (int g = 0; g < G; g++)
-            memcpy(qbuf + (int64_t)(u * G + g) * D, j->q + rows[u] * j->q_row + (int64_t)(h * G + g) * j->q_head,
-                   sizeof(float) * (size_t)D);
+        for (int g = 0; g < G; g++) {
+            const int64_t at = rows[u] * j->q_row + (int64_t)(h * G + g) * j->q_head, to = (int64_t)(u * G + g) * D;
+            if (qbf) memcpy((uint16_t *)qbuf + to, (const uint16_t *)j->q + at, sizeof(uint16_t) * (size_t)D);
+            else if (j->q_dtype == 1)
+                ISA_FN(widen_rows)(qbuf + to, j->q, &at, 1, D);  /* exact */
+            else memcpy(qbuf + to, (const float *)j->q + at, sizeof(float) * (size_t)D);
+        }
     const int64_t c = j->ctx[rows[nr - 1]], lo = j->lo[rows[0]];
     const int64_t *table = j->tables + j->table_off[rows[0]];
     for (int64_t p0 = lo; p0 < c; p0 += CHUNK) {
@@ -215,6 +285,10 @@ ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, i
             for (int i = 0; i < n; i++) vrow[i] = (int64_t)i * Dv;
             vb = vbuf, va = vrow, vbf = 0;
         }
+#if QK_BF16
+        if (qbf) ISA_FN(qk_bf16)(scores, CHUNK, (const uint16_t *)qbuf, D, GQ, (const uint16_t *)j->k, kat, n, D, j->scale);
+        else
+#endif
         ISA_FN(qk)(scores, CHUNK, qbuf, D, GQ, j->k, kat, n, D, j->scale, bf);
         for (int u = 0; u < nr; u++) {
             const int64_t cu = j->ctx[rows[u]] - p0;
@@ -261,3 +335,4 @@ ISA_ATTR static void ISA_FN(run_items)(Job *j, float *scratch) {
 #undef VSUM8
 #undef PV_NV
 #undef BF16_STAGE_V
+#undef QK_BF16

@@ -26,13 +26,20 @@ static int use_avx2(void) {
 }
 
 /* The host-attention kernel's builds, lowest first (runtime/native/isa.py names them). */
-enum { ISA_BASELINE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_BASELINE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
 
 /* An AVX-512 clone needs a compiler that knows the target attribute for it (GCC 7, Clang 6). */
 #if defined(HAVE_AVX2_CLONE) && ((defined(__clang__) && __clang_major__ >= 6) || \
                                  (!defined(__clang__) && __GNUC__ >= 7))
 #define HAVE_AVX512_CLONE 1
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
+#endif
+
+/* The AVX-512 clone with AVX512-BF16's dot product (vdpbf16ps) needs GCC 10 or Clang 9. */
+#if defined(HAVE_AVX512_CLONE) && ((defined(__clang__) && __clang_major__ >= 9) || \
+                                   (!defined(__clang__) && __GNUC__ >= 10))
+#define HAVE_AVX512BF16_CLONE 1
+#define AVX512BF16_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"
 #endif
 
 /* The highest build the CPU runs (its feature bits, asked once; the OS saving the wide
@@ -45,6 +52,9 @@ static int cpu_isa(void) {
     if (isa == ISA_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
         isa = ISA_AVX512;
+#endif
+#ifdef HAVE_AVX512BF16_CLONE
+    if (isa == ISA_AVX512 && __builtin_cpu_supports("avx512bf16")) isa = ISA_AVX512BF16;
 #endif
     known = isa;
     return known;

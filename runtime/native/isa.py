@@ -1,6 +1,7 @@
 """Which build of the host-attention kernel runs (runtime/native/paged_attention.c): the
-kernel carries a baseline, an AVX2 + FMA and an AVX-512 build and picks the highest the
-CPU's feature bits allow, asked once. MOECC_NATIVE_ISA=baseline|avx2|avx512 (read when the
+kernel carries a baseline, an AVX2 + FMA, an AVX-512 and an AVX-512 + AVX512-BF16 build (bf16
+queries over bf16 keys scored by vdpbf16ps) and picks the highest the CPU's feature bits allow,
+asked once. MOECC_NATIVE_ISA=baseline|avx2|avx512|avx512bf16 (read when the
 kernel loads) or `use_isa(name)` force one, for tests and benchmarks; an ISA this CPU (or the
 compiler that built the kernel) lacks is refused with an error that says what it has.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-ISAS = ("baseline", "avx2", "avx512")  # the kernel's ISA_BASELINE, ISA_AVX2, ISA_AVX512 (cpu.h)
+ISAS = ("baseline", "avx2", "avx512", "avx512bf16")  # the kernel's ISA_BASELINE ... ISA_AVX512BF16 (cpu.h)
 ENV = "MOECC_NATIVE_ISA"
 
 

@@ -16,11 +16,13 @@
  * (pass the key pool as the value pool). gpt-oss's sinks add one logit per query head that
  * takes probability mass but has no value.
  *
- * K/V are fp32 or bf16 (kv_dtype 0 / 1), queries and outputs fp32; all strides in elements.
+ * K/V are fp32 or bf16 (kv_dtype 0 / 1), queries fp32 or bf16 (q_dtype 0 / 1, widened exactly
+ * where a build computes in fp32), outputs fp32; all strides in elements.
  * Work items are shared among `nthreads` threads through an atomic counter.
  *
- * Builds: the inner loops (attend_isa.h) are compiled for the baseline ISA, AVX2 + FMA and
- * AVX-512 (F/BW/VL/DQ, 16 lanes) through function target attributes, so one compile serves
+ * Builds: the inner loops (attend_isa.h) are compiled for the baseline ISA, AVX2 + FMA,
+ * AVX-512 (F/BW/VL/DQ, 16 lanes) and AVX-512 with AVX512-BF16 (bf16 queries and keys: q . k by
+ * vdpbf16ps, 32 elements a step) through function target attributes, so one compile serves
  * any x86-64 CPU; each call runs the build moecc_paged_attention_isa() names: the highest the
  * CPU's feature bits allow (cpu.h), or the one moecc_paged_attention_set_isa chose
  * (runtime/native/isa.py: MOECC_NATIVE_ISA). bf16 K/V are widened to fp32 (exactly) in
@@ -37,7 +39,7 @@
 #include <Python.h>
 
 typedef struct {
-    const float *q; int64_t q_row, q_head;          /* q [t, Hq, D] */
+    const void *q; int64_t q_row, q_head; int q_dtype;  /* q [t, Hq, D]: fp32 (0) or bf16 (1) */
     const void *k, *v; int kv_dtype;                 /* pools of one layer: [Hkv, NB, bs, D|Dv] */
     int64_t k_head, k_block, k_pos, v_head, v_block, v_pos;
     int Hkv, G, D, Dv, bs;
@@ -180,6 +182,21 @@ static inline __attribute__((always_inline)) void finish_item(const Job *j, int6
 #include "attend_isa.h"
 #endif
 
+#ifdef HAVE_AVX512BF16_CLONE  /* cpu.h: the AVX-512 build, bf16 q . k by vdpbf16ps */
+#define ISA_NAME avx512bf16
+#define ISA_ATTR __attribute__((target(AVX512BF16_TARGET)))
+#define VW 16
+#define VF v16
+#define VLD ld16
+#define VST st16
+#define VLDBF ldbf16
+#define VSUM8 sum8x16
+#define PV_NV 6
+#define BF16_STAGE_V 0
+#define QK_BF16 1
+#include "attend_isa.h"
+#endif
+
 /* The build calls use: the CPU's best (cpu.h, asked once) until moecc_paged_attention_set_isa. */
 static int isa_now = -1;
 
@@ -207,6 +224,9 @@ static void *worker(void *arg) {
     float *scratch = (float *)malloc(n * sizeof(float));
     if (!scratch) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return NULL; }
     switch (j->isa) {
+#ifdef HAVE_AVX512BF16_CLONE
+    case ISA_AVX512BF16: run_items_avx512bf16(j, scratch); break;
+#endif
 #ifdef HAVE_AVX512_CLONE
     case ISA_AVX512: run_items_avx512(j, scratch); break;
 #endif
@@ -240,7 +260,7 @@ static int64_t row_groups(const Job *j, int64_t *group) {
 
 /* Returns 0 on success, 1 when scratch memory or a thread could not be had. */
 int moecc_paged_attention(
-    const float *q, int64_t q_row, int64_t q_head,
+    const void *q, int64_t q_row, int64_t q_head, int q_dtype,
     const void *k, const void *v, int kv_dtype,
     int64_t k_head, int64_t k_block, int64_t k_pos, int64_t v_head, int64_t v_block, int64_t v_pos,
     int Hkv, int G, int D, int Dv, int bs,
@@ -250,7 +270,7 @@ int moecc_paged_attention(
     int64_t *group = (int64_t *)malloc((size_t)(nrows + 1) * sizeof(int64_t));
     if (!group) return 1;
     const int qr = G < QUERIES_PER_ITEM ? QUERIES_PER_ITEM / G : 1;
-    Job j = {q, q_row, q_head, k, v, kv_dtype, k_head, k_block, k_pos, v_head, v_block, v_pos,
+    Job j = {q, q_row, q_head, q_dtype, k, v, kv_dtype, k_head, k_block, k_pos, v_head, v_block, v_pos,
              Hkv, G, D, Dv, bs, rows, nrows, group, 0, qr, tables, table_off, ctx, lo, sinks, scale,
              out, o_row, o_head, moecc_paged_attention_isa(), 0, 0};
     j.ngroups = row_groups(&j, group);

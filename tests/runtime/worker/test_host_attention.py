@@ -180,19 +180,22 @@ def test_kernel_threads_agree_bitwise():
 
 
 @needs_native
-@pytest.mark.parametrize("G,dtype,window", [(4, torch.float32, None), (3, torch.bfloat16, None),
-                                            (4, torch.bfloat16, 50), (16, torch.float32, None)])
-def test_prompt_rows_in_groups_equal_each_row_alone(G, dtype, window):
+@pytest.mark.parametrize("G,dtype,window,qdtype", [
+    (4, torch.float32, None, torch.float32), (3, torch.bfloat16, None, torch.float32),
+    (4, torch.bfloat16, 50, torch.float32), (16, torch.float32, None, torch.float32),
+    (4, torch.bfloat16, None, torch.bfloat16), (3, torch.bfloat16, 50, torch.bfloat16)])
+def test_prompt_rows_in_groups_equal_each_row_alone(G, dtype, window, qdtype):
     """A prompt chunk's consecutive rows (one table, one position more each) run as groups
     sharing each key load, their causal mask each row's own ctx: the bits of each row alone.
-    Two chunks (one past its start) and a decoding row in one call; a window moves lo."""
+    Two chunks (one past its start) and a decoding row in one call; a window moves lo. bf16
+    queries over a bf16 pool: scored by vdpbf16ps where the avx512bf16 build runs."""
     bs, start, n = 8, 40, 150
     case = dict(D=96, Dv=96, mla=False, Hkv=2, G=G, bs=bs, ctx=[start + n, n, 400], lo=[0, 0, 0], rows=[0, 1, 2],
                 sinks=False, dtype=dtype, threads=2, layout="dense", sharp=4.0, spare=1, seed=G)
     _, k, v, _, tables, table_off, _, _, scale, _, _, _ = build_case(case)
     t = 2 * n + 1  # chunk A's rows, chunk B's rows, one decoding row
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(t, 2 * G, 96, generator=g)
+    q = torch.randn(t, 2 * G, 96, generator=g).to(qdtype)
     seq = [0] * n + [1] * n + [2]
     first = [start] * n + [0] * n + [399]
     ctx = torch.tensor([first[r] + 1 + (r % n if r < 2 * n else 0) for r in range(t)])
@@ -204,7 +207,7 @@ def test_prompt_rows_in_groups_equal_each_row_alone(G, dtype, window):
     for r in range(t):
         native.paged_attention(q, k, v, torch.tensor([r]), tables, off, ctx, lo, scale, alone)
     assert torch.equal(together, alone)
-    ref = reference(q, k, v, torch.arange(t), tables, off, ctx, lo, scale, None)
+    ref = reference(q.float(), k, v, torch.arange(t), tables, off, ctx, lo, scale, None)
     assert max((together[r].double() - want).abs().max().item() for r, (want, _) in ref.items()) < 1e-4
 
 
@@ -236,7 +239,7 @@ def test_non_unit_last_stride_is_refused(name):
 
 @needs_native
 @pytest.mark.parametrize("name,dtype,says", [
-    ("q", torch.float64, r"\bq\b"), ("q", torch.bfloat16, r"\bq\b"), ("out", torch.float64, r"\bout\b"),
+    ("q", torch.float64, r"\bq\b"), ("q", torch.float16, r"\bq\b"), ("out", torch.float64, r"\bout\b"),
     ("k", torch.float16, r"\bK\b"), ("v", torch.bfloat16, r"\bV\b"), ("k", torch.float64, r"\bK\b"),
     ("rows", torch.int32, r"\brows\b"), ("tables", torch.int32, r"\btables\b"),
     ("table_off", torch.int32, r"\btable_off\b"), ("ctx", torch.int32, r"\bctx\b"), ("lo", torch.int32, r"\blo\b")])

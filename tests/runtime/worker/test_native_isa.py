@@ -69,6 +69,34 @@ def test_build_matches_reference(name, case, restore_isa):
             assert torch.equal(ost[r, :, out.shape[-1]:], before[r, :, out.shape[-1]:]), f"{name}: padding written"
 
 
+@pytest.mark.parametrize("name", BUILDS)
+@settings(max_examples=int(os.environ.get("MOECC_PROPERTY_EXAMPLES", "60")), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(case=attention_cases())
+def test_bf16_queries_give_their_fp32_values_result(name, case, restore_isa):
+    """bf16 queries (a bf16 model's, handed over without an fp32 copy) give every build the
+    result of their fp32 values: the same bits where the build widens them; where the
+    avx512bf16 build scores them over a bf16 pool by vdpbf16ps (exact products, sums in
+    another order), within fp32 rounding of the float64 reference, as every build is."""
+    native.use_attention_isa(name)
+    q, k, v, rows, tables, table_off, ctx, lo, scale, out, _, sinks = build_case(case)
+    qb = q.to(torch.bfloat16)
+    o16, o32 = torch.zeros(out.shape), torch.zeros(out.shape)
+    native.paged_attention(qb, k, v, rows, tables, table_off, ctx, lo, scale, o16, sinks, threads=case["threads"])
+    native.paged_attention(qb.float(), k, v, rows, tables, table_off, ctx, lo, scale, o32, sinks,
+                           threads=case["threads"])
+    if name != "avx512bf16" or case["dtype"] != torch.bfloat16:
+        assert torch.equal(o16, o32), f"{name}: bf16 queries differ from their fp32 values"
+        return
+    ref = reference(qb.float(), k, v, rows, tables, table_off, ctx, lo, scale, sinks)
+    for r in set(case["rows"]):
+        want, top = ref[r]
+        tol = 2e-6 * max(1.0, want.abs().max().item()) * max(1.0, top / 4)  # as test_build_matches_reference
+        err = (o16[r].double() - want).abs().max().item()
+        assert err <= tol, f"{name}, D {case['D']}, G {case['G']}: row {r} off by {err:.3g} > {tol:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_builds_agree_at_the_bench_shape(dtype, restore_isa):
     """bench768's shape (8 query heads, 2 KV heads, head dim 96, blocks of 16), long rows and
@@ -107,6 +135,8 @@ def test_default_is_the_best_the_cpu_reports():
         want.append("avx2")
         if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
             want.append("avx512")
+            if "avx512_bf16" in flags:
+                want.append("avx512bf16")
     assert BUILDS == want, f"the kernel runs {BUILDS}, /proc/cpuinfo allows {want}"
     out = _python("from moecc_runtime import native; print(native.attention_isa())", {})
     assert out.stdout.strip() == want[-1], out.stderr
