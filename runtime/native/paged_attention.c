@@ -200,7 +200,7 @@ static inline __attribute__((always_inline)) void finish_item(const Job *j, int6
 /* The build calls use: the CPU's best (cpu.h, asked once) until moecc_paged_attention_set_isa. */
 static int isa_now = -1;
 
-/* The highest build this CPU runs (ISA_BASELINE / ISA_AVX2 / ISA_AVX512, cpu.h). */
+/* The highest build this CPU runs (ISA_BASELINE ... ISA_AVX512BF16, cpu.h). */
 int moecc_paged_attention_isa_max(void) { return cpu_isa(); }
 
 /* The build calls use now. */
