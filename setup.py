@@ -29,7 +29,8 @@ def native(name: str) -> Extension:
     return Extension(
         f"{RUNTIME_NAME}.native.{name}",
         sources=[f"{RUNTIME_DIR}/native/{name.lstrip('_')}.c"],
-        depends=[f"{RUNTIME_DIR}/native/{h}" for h in ("vec8.h", "vec16.h", "cpu.h", "attend_isa.h", "dequant_wide.h")],
+        depends=[f"{RUNTIME_DIR}/native/{h}"
+                 for h in ("vec8.h", "vec16.h", "cpu.h", "attend_isa.h", "attend_lanes16.h", "dequant_wide.h")],
         extra_compile_args=["-O3", "-std=c11", "-ffp-contract=fast"] if sys.platform != "win32" else ["/O2"],
         libraries=["m"] if sys.platform != "win32" else [],
         optional=True,

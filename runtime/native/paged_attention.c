@@ -171,28 +171,14 @@ static inline __attribute__((always_inline)) void finish_item(const Job *j, int6
 #ifdef HAVE_AVX512_CLONE  /* cpu.h */
 #define ISA_NAME avx512
 #define ISA_ATTR __attribute__((target(AVX512_TARGET)))
-#define VW 16
-#define VF v16
-#define VLD ld16
-#define VST st16
-#define VLDBF ldbf16
-#define VSUM8 sum8x16
-#define PV_NV 6
-#define BF16_STAGE_V 0
+#include "attend_lanes16.h"
 #include "attend_isa.h"
 #endif
 
 #ifdef HAVE_AVX512BF16_CLONE  /* cpu.h: the AVX-512 build, bf16 q . k by vdpbf16ps */
 #define ISA_NAME avx512bf16
 #define ISA_ATTR __attribute__((target(AVX512BF16_TARGET)))
-#define VW 16
-#define VF v16
-#define VLD ld16
-#define VST st16
-#define VLDBF ldbf16
-#define VSUM8 sum8x16
-#define PV_NV 6
-#define BF16_STAGE_V 0
+#include "attend_lanes16.h"
 #define QK_BF16 1
 #include "attend_isa.h"
 #endif
