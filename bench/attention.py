@@ -198,8 +198,8 @@ def time_prompts(n: int, S: int, dtype: torch.dtype, args: argparse.Namespace, g
     scale = D ** -0.5
 
     def kernel() -> None:
-        native.paged_attention(q if q.dtype in native.KV_DTYPES else q.float(), pool.k[0], pool.v[0], rows, flat,
-                               table_off, ctx, lo, scale, out_k)  # as the worker: bf16 q as it is
+        native.paged_attention(native.kernel_queries(q), pool.k[0], pool.v[0], rows, flat, table_off, ctx, lo, scale,
+                               out_k)  # as the worker hands them over
 
     def sdpa() -> None:
         for i in range(S):

@@ -145,6 +145,13 @@ def supports(dtype: torch.dtype) -> bool:
     return available() and dtype in KV_DTYPES
 
 
+def kernel_queries(q: torch.Tensor) -> torch.Tensor:
+    """q as paged_attention takes it without a copy it does not need: fp32 or bf16 as it is (a
+    bf16 model's queries are not widened here: the kernel widens them, or scores them in bf16),
+    any other dtype as fp32; contiguous."""
+    return (q if q.dtype in KV_DTYPES else q.float()).contiguous()
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
                     table_off: torch.Tensor, ctx: torch.Tensor, lo: torch.Tensor, scale: float,
                     out: torch.Tensor, sinks: torch.Tensor | None = None, threads: int | None = None) -> None:

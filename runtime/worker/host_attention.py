@@ -156,8 +156,7 @@ class HostAttention:
                           pin_memory=self.pin)  # [t, Hq, Dv]
         if view.rows.numel():
             if self.native:
-                qk = q if q.dtype in native.KV_DTYPES else q.float()  # bf16 q as it is (no fp32 copy)
-                native.paged_attention(qk.contiguous(), kp, vp, view.rows, view.tables, view.table_off,
+                native.paged_attention(native.kernel_queries(q), kp, vp, view.rows, view.tables, view.table_off,
                                        view.ctx, view.lo, a["scaling"], out, sinks)
             else:
                 self._decode_gathered(q, layer, mb, a, sinks, out)
