@@ -148,8 +148,9 @@ def supports(dtype: torch.dtype) -> bool:
 def kernel_queries(q: torch.Tensor) -> torch.Tensor:
     """q as paged_attention takes it without a copy it does not need: fp32 or bf16 as it is (a
     bf16 model's queries are not widened here: the kernel widens them, or scores them in bf16),
-    any other dtype as fp32; contiguous."""
-    return (q if q.dtype in KV_DTYPES else q.float()).contiguous()
+    any other dtype as fp32; with a unit last stride (row and head strides as they are)."""
+    q = q if q.dtype in KV_DTYPES else q.float()
+    return q if q.stride(-1) == 1 else q.contiguous()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,

@@ -52,14 +52,21 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, 
     return torch.cat(((emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)), dim=-1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [n, heads, D]  cos/sin: [n, D]
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    """transformers' x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1), with
+    the same bits (each product rounded, then their sum: -(x2 s) + a is a - x2 s exactly),
+    computed by halves: no rotated copy, no negated one.
+    x: [n, heads, D] (any strides)  cos/sin: [n, D] -> [n, heads, D]"""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]  # [n, heads, D/2] each
+    c1, c2 = cos[:, None, :h], cos[:, None, h:]  # [n, 1, D/2] each
+    s1, s2 = sin[:, None, :h], sin[:, None, h:]
+    if x.dtype == torch.bfloat16:  # bf16 in place on strided halves takes torch's slow path
+        return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
+    out = x * cos[:, None, :]  # [n, heads, D]
+    out[..., :h] -= x2 * s1
+    out[..., h:] += x1 * s2
+    return out
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,12 +94,22 @@ def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: to
     if "clip_qkv" in a:
         c = a["clip_qkv"]
         q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+    cos, sin = rope[:, :D], rope[:, D:]
+    if _side_by_side(q, k) and "q_norm" not in w and "clip_qkv" not in a:  # packed q|k: rotated as one
+        qk = apply_rope(q.as_strided((q.shape[0], Hq + Hkv, D), (q.stride(0), D, 1)), cos, sin)  # [T, Hq+Hkv, D]
+        return qk[:, :Hq], qk[:, Hq:], v.view(-1, Hkv, D)  # [T, Hq, D], [T, Hkv, D] views
     q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
     if "q_norm" in w and not full:  # Qwen3: per head
         q = rmsnorm(q, w["q_norm"], a["qk_norm_eps"])
         k = rmsnorm(k, w["k_norm"], a["qk_norm_eps"])
-    cos, sin = rope[:, :D], rope[:, D:]
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """k's columns follow q's in one row-major buffer (the packed q|k|v GEMM's output split):
+    q [T, Hq*D], k [T, Hkv*D] with one row stride and unit column strides."""
+    return (q.dim() == 2 and q.stride(1) == 1 and k.stride() == q.stride()
+            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size())
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

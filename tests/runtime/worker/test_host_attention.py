@@ -316,9 +316,10 @@ class _Counting:
         return getattr(self.inner, name)
 
 
-def _run(plan, path, requests, *, attention=None, fallback=False, expect=None, **kw):
+def _run(plan, path, requests, *, attention=None, fallback=False, expect=None, poison=False, **kw):
     """{key: GenResult}; `fallback`: HostAttention without the native kernel. `expect`: which
-    paths must have run ("host", "device", "kernel"), the others must not have."""
+    paths must have run ("host", "device", "kernel"), the others must not have. `poison`: the
+    KV pool starts as NaN (what a freed block may hold after a request whose K/V overflowed)."""
     from moecc_runtime.engine import Engine, generate
     from moecc_runtime.worker.attention_backends import Where
 
@@ -326,6 +327,9 @@ def _run(plan, path, requests, *, attention=None, fallback=False, expect=None, *
                     attention=attention)
     results = {}
     w = engine.worker
+    if poison:
+        w.kv.k.fill_(float("nan"))
+        w.kv.v.fill_(float("nan"))
     if fallback:
         w.backends[Where.HOST].native = False
     else:
@@ -402,6 +406,35 @@ def test_host_attention_matches_device_and_transformers(name, models, monkeypatc
         for a, b in zip(host[r.key].logits + in_kernel[r.key].logits, ref_logits + ref_logits):
             worst = max(worst, (a - b).abs().max().item())
     assert worst < 1e-4, f"{name}: host attention's max logit difference to transformers {worst}"
+
+
+def test_unwritten_block_tails_are_never_read_or_zeroed(models):
+    """A pool that starts as NaN gives transformers' tokens: the kernel reads no position a
+    sequence has not written (the worker skips zeroing new blocks for it), the fallback's whole
+    blocks are zeroed first (attention="host" with and without the kernel, and "device")."""
+    from moecc.compiler import compile_model
+    from moecc_runtime.worker.attention_backends import Where, reads_unwritten
+
+    path, model, tok = models("mixtral")
+    plan, _ = compile_model(path)
+    reqs = _requests(tok, 4)
+    runs = {"host": _run(plan, path, reqs, attention="host", max_batch=3, poison=True),
+            "fallback": _run(plan, path, reqs, attention="host", fallback=True, max_batch=3, poison=True),
+            "device": _run(plan, path, reqs, attention="device", max_batch=3, poison=True)}
+    for r in reqs:
+        ref_ids, _ = _reference(model, r.prompt_ids)
+        for how, results in runs.items():
+            assert results[r.key].token_ids == ref_ids, f"prompt {r.key}: {how} over a NaN-filled pool"
+    from moecc_runtime.engine import Engine
+
+    engine = Engine(plan, path, "cpu", attention="host")
+    try:
+        host = {"decode": 1.0, "prefill": 1.0}
+        assert reads_unwritten(engine.worker.backends, host) == (not native.available())
+        assert reads_unwritten(engine.worker.backends, {"decode": 1.0, "prefill": 0.5})  # a split reads them
+        assert engine.worker.backends[Where.DEVICE].reads_unwritten
+    finally:
+        engine.close()
 
 
 BUDGET = dict(gpu_mem=900_000, prompt_tokens=24, output_tokens=8, max_batch=4)  # below the weights (1.5 MB); above the working set with the step's logits and sampler temporaries

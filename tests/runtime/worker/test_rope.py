@@ -1,0 +1,74 @@
+"""kernels.apply_rope computes transformers' x * cos + rotate_half(x) * sin by halves, with the
+same bits, in every dtype and on strided views; attention_qkv rotates a packed q|k|v GEMM's q
+and k as one, with the same bits as each alone.
+
+Legend: T = tokens, Hq / Hkv = query / key-value heads, D = head dim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from moecc_runtime.worker import kernels
+
+
+def transformers_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor (unsqueeze_dim over the heads)."""
+    h = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _table(T: int, D: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, D] as rope_table makes them (halves equal), or arbitrary ones."""
+    pos = torch.randint(0, 4096, (T,), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    t = kernels.rope_table(pos, inv, 1.0, dtype)  # [T, 2D]
+    return t[:, :D], t[:, D:]
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 300), heads=st.integers(1, 9), D=st.sampled_from([2, 32, 64, 96, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       strided=st.booleans(), table=st.booleans())
+def test_same_bits_as_transformers(T: int, heads: int, D: int, dtype: torch.dtype, strided: bool,
+                                   table: bool) -> None:
+    g = torch.Generator().manual_seed(T * 131 + heads * 7 + D)
+    if strided:  # a column view of a wider buffer, as a GEMM output's split gives
+        x = (torch.randn(T, heads * D + 3 * D, generator=g) * 4).to(dtype)[:, D:D + heads * D].view(T, heads, D)
+    else:
+        x = (torch.randn(T, heads, D, generator=g) * 4).to(dtype)
+    if table:
+        cos, sin = _table(T, D, dtype, g)
+    else:  # halves not equal: nothing assumed of the table
+        cos, sin = torch.randn(T, D, generator=g).to(dtype), torch.randn(T, D, generator=g).to(dtype)
+    got, want = kernels.apply_rope(x, cos, sin), transformers_rope(x, cos, sin)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 7, 512])
+def test_packed_qkv_rotated_as_one(dtype: torch.dtype, T: int) -> None:
+    """q and k side by side in one buffer (the packed GEMM's output): the same q, k and v as
+    three separate projections rotated each alone."""
+    from moecc_runtime.memory.packed_weights import PackedLinear, packing_available
+
+    if not packing_available():
+        pytest.skip("oneDNN's packed linear is not in this torch build")
+    Hq, Hkv, D, H = 8, 2, 96, 256
+    g = torch.Generator().manual_seed(T)
+    ws = [torch.randn(n * D, H, generator=g).to(dtype) / 16 for n in (Hq, Hkv, Hkv)]
+    x = torch.randn(T, H, generator=g).to(dtype)
+    a = {"head_dim": D, "num_heads": Hq, "num_kv_heads": Hkv}
+    rope = torch.cat(_table(T, D, dtype, g), dim=-1)  # [T, 2D]
+    sections = tuple(int(w.shape[0]) for w in ws)
+    packed = {"q": PackedLinear(torch.cat(ws), T, split=sections[0], sections=sections), "k": None, "v": None}
+    q, k, v = kernels.attention_qkv(x, packed, a, rope)
+    y = packed["q"](x)  # [T, (Hq + 2 Hkv) D]: the same GEMM, then each part alone
+    cos, sin = rope[:, :D], rope[:, D:]
+    qs, ks, vs = y.split(sections, dim=-1)
+    assert torch.equal(q, transformers_rope(qs.reshape(T, Hq, D), cos, sin))
+    assert torch.equal(k, transformers_rope(ks.reshape(T, Hkv, D), cos, sin))
+    assert torch.equal(v, vs.reshape(T, Hkv, D))
