@@ -107,8 +107,10 @@ def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: to
 
 def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> bool:
     """k's columns follow q's in one row-major buffer (the packed q|k|v GEMM's output split):
-    q [T, Hq*D], k [T, Hkv*D] with one row stride and unit column strides."""
+    q [T, Hq*D], k [T, Hkv*D] with one row stride and unit column strides, in one storage
+    (two tensors that merely lie next to each other in memory are not)."""
     return (q.dim() == 2 and q.stride(1) == 1 and k.stride() == q.stride()
+            and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
             and k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size())
 
 

@@ -72,3 +72,15 @@ def test_packed_qkv_rotated_as_one(dtype: torch.dtype, T: int) -> None:
     assert torch.equal(q, transformers_rope(qs.reshape(T, Hq, D), cos, sin))
     assert torch.equal(k, transformers_rope(ks.reshape(T, Hkv, D), cos, sin))
     assert torch.equal(v, vs.reshape(T, Hkv, D))
+
+
+def test_side_by_side_needs_one_buffer() -> None:
+    """q and k are rotated as one only when they are column slices of one buffer; separate
+    tensors (separate projections, a clone) never, even when their memory happens to touch."""
+    buf = torch.randn(3, 10 * 4)  # [T, (Hq + 2 Hkv) D] with Hq 6, Hkv 2, D 4
+    q, k, v = buf.split((24, 8, 8), dim=-1)
+    assert kernels._side_by_side(q, k)
+    assert not kernels._side_by_side(q, v)  # v follows k, not q
+    assert not kernels._side_by_side(q, k.clone())
+    one = torch.randn(2, 8)  # T = 1, MHA: q's only row and k's could be neighbours in memory
+    assert not kernels._side_by_side(one[0:1].clone(), one[1:2].clone())
