@@ -135,7 +135,6 @@ class GatheredAttention:
     attention_backends.AttentionBackend that gathers)."""
 
     gathers = True  # the worker's KV staging brings the micro-batch's blocks to the device first
-    reads_unwritten = True  # masked SDPA over whole gathered blocks: a last block's tail is read
 
     def __init__(self, pool: KVPool, device: torch.device = torch.device("cpu")):
         """`device`: the compute device (where the views' index tensors go)."""

@@ -16,8 +16,7 @@ attention.py's `project_qkv`, which picks the variant from the op's attrs.
 Recipe: add an attention backend
   1. Write it in its own file under runtime/worker/ (e.g. worker/flash_attention.py): a class
      with `gathers` (True: the worker stages the micro-batch's KV blocks onto the compute
-     device first and passes them to `forward` as `kv`), `reads_unwritten` (True: it reads
-     whole blocks, masked, so new blocks are zeroed for it), `prepare(mb, window)` (build what
+     device first and passes them to `forward` as `kv`), `prepare(mb, window)` (build what
      the micro-batch needs, its views and index tensors, cached in `mb.views` so every layer
      of the step shares them; return the pool blocks to gather, or None) and
      `forward(op, x, rope, mb, w, kv)` (x [t, H] -> [t, H], the new K/V stored in the pool).
@@ -57,9 +56,6 @@ class AttentionBackend(Protocol):
 
     #: True: `forward` reads the micro-batch's KV gathered onto the compute device (`kv`)
     gathers: bool
-    #: True: it reads the unwritten tail of a sequence's last block (masked, as whole blocks),
-    #: so the worker zeroes every new block first (a stale NaN times a zero weight is NaN)
-    reads_unwritten: bool
 
     def prepare(self, mb: MicroBatch, window: int | None) -> torch.Tensor | None:
         """Build `mb`'s views for sliding window `window` (None: full), once per step; the
@@ -111,14 +107,6 @@ def host_fractions(plan: dict[str, Any], device: torch.device, force: str | None
         else:
             out[phase] = 1.0 if device.type == "cpu" else 0.0
     return out
-
-
-def reads_unwritten(backends: dict[Where, AttentionBackend], host_share: dict[str, float]) -> bool:
-    """Whether a backend that some phase's placement `host_share` (host_fractions) uses reads
-    the unwritten tails of blocks (so new blocks must be zeroed)."""
-    used = {Where.HOST if f > 0.0 else Where.DEVICE for f in host_share.values()}
-    used |= {Where.DEVICE for f in host_share.values() if f < 1.0}
-    return any(backends[w].reads_unwritten for w in used)
 
 
 def place(batch: StepBatch, host_fraction: float, b_a: int, cap_blocks: int | None) -> list[MicroBatch]:

@@ -101,11 +101,6 @@ class HostAttention:
         self._sinks: dict[str, torch.Tensor] = {}  # device attention sinks' host copies, by op (weights)
 
     @property
-    def reads_unwritten(self) -> bool:
-        """The kernel reads positions lo .. ctx-1 only; the fallback's grouped SDPA whole blocks."""
-        return not self.native
-
-    @property
     def _prompt_rows(self) -> int | None:
         """Prompt chunks of at least this many rows go through the kernel (None: it is off)."""
         return NATIVE_PROMPT_ROWS if self.native else None

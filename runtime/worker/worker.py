@@ -51,8 +51,7 @@ from moecc_runtime.scheduler.step_plan import StepOutput, StepPlan
 from moecc_runtime.syncs import to_device
 from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS, speculates
 from moecc_runtime.worker import kernels
-from moecc_runtime.worker.attention_backends import (AttentionBackend, host_fractions, make_backends, place,
-                                                     reads_unwritten)
+from moecc_runtime.worker.attention_backends import AttentionBackend, host_fractions, make_backends, place
 from moecc_runtime.worker.batch import MicroBatch, StepBatch
 from moecc_runtime.worker.stats import EngineStats, account, copy_counters
 from moecc_runtime.worker.timeline import StepTrace, pick_trace
@@ -266,13 +265,11 @@ class Worker:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """needs: every slot of `plan` reserved (the scheduler did). does: zero the plan's new
-        blocks (where a backend in use reads unwritten tails), make its copies on write, run
-        every module over the step's rows, account the step. guarantees: the chunks' K/V are
-        in the pool; the logits of the finishing sequences [S', V] (fp32), or of every row
-        [T, V] with `plan.all_rows`."""
+        blocks, make its copies on write, run every module over the step's rows, account the step. guarantees: the
+        chunks' K/V are in the pool; the logits of the finishing sequences [S', V] (fp32),
+        or of every row [T, V] with `plan.all_rows`."""
         t0 = time.perf_counter()
-        if reads_unwritten(self.backends, self._host_share):  # else no unwritten position is ever read
-            self.kv.zero(plan.new_blocks)
+        self.kv.zero(plan.new_blocks)
         self.kv.copy_blocks(plan.copies)
         b = StepBatch.build(plan, self.kv.block_size)
         experts_before = self.stats.experts_run

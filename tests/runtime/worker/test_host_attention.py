@@ -408,12 +408,12 @@ def test_host_attention_matches_device_and_transformers(name, models, monkeypatc
     assert worst < 1e-4, f"{name}: host attention's max logit difference to transformers {worst}"
 
 
-def test_unwritten_block_tails_are_never_read_or_zeroed(models):
-    """A pool that starts as NaN gives transformers' tokens: the kernel reads no position a
-    sequence has not written (the worker skips zeroing new blocks for it), the fallback's whole
-    blocks are zeroed first (attention="host" with and without the kernel, and "device")."""
+def test_nan_filled_pool_gives_transformers_tokens(models):
+    """A pool that starts as NaN (what a freed block may hold after a request whose K/V
+    overflowed) gives transformers' tokens on every path: the kernel reads no position a
+    sequence has not written, and new blocks are zeroed for the paths that read whole blocks
+    (attention="host" with and without the kernel, and "device")."""
     from moecc.compiler import compile_model
-    from moecc_runtime.worker.attention_backends import Where, reads_unwritten
 
     path, model, tok = models("mixtral")
     plan, _ = compile_model(path)
@@ -425,16 +425,6 @@ def test_unwritten_block_tails_are_never_read_or_zeroed(models):
         ref_ids, _ = _reference(model, r.prompt_ids)
         for how, results in runs.items():
             assert results[r.key].token_ids == ref_ids, f"prompt {r.key}: {how} over a NaN-filled pool"
-    from moecc_runtime.engine import Engine
-
-    engine = Engine(plan, path, "cpu", attention="host")
-    try:
-        host = {"decode": 1.0, "prefill": 1.0}
-        assert reads_unwritten(engine.worker.backends, host) == (not native.available())
-        assert reads_unwritten(engine.worker.backends, {"decode": 1.0, "prefill": 0.5})  # a split reads them
-        assert engine.worker.backends[Where.DEVICE].reads_unwritten
-    finally:
-        engine.close()
 
 
 BUDGET = dict(gpu_mem=900_000, prompt_tokens=24, output_tokens=8, max_batch=4)  # below the weights (1.5 MB); above the working set with the step's logits and sampler temporaries
