@@ -95,7 +95,7 @@ def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], a: dict, rope: to
         c = a["clip_qkv"]
         q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
     cos, sin = rope[:, :D], rope[:, D:]
-    if _side_by_side(q, k) and "q_norm" not in w and "clip_qkv" not in a:  # packed q|k: rotated as one
+    if _side_by_side(q, k) and "q_norm" not in w:  # packed q|k (no clip or full norm copied them): as one
         qk = apply_rope(q.as_strided((q.shape[0], Hq + Hkv, D), (q.stride(0), D, 1)), cos, sin)  # [T, Hq+Hkv, D]
         return qk[:, :Hq], qk[:, Hq:], v.view(-1, Hkv, D)  # [T, Hq, D], [T, Hkv, D] views
     q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)

@@ -14,14 +14,15 @@ from moecc_runtime.worker import kernels
 
 
 def transformers_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' apply_rotary_pos_emb for one tensor (unsqueeze_dim over the heads)."""
-    h = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """transformers' own apply_rotary_pos_emb (Mixtral's) for one tensor: x [n, heads, D],
+    cos/sin [n, D] unsqueezed over the heads."""
+    from transformers.models.mixtral.modeling_mixtral import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=1)[0]
 
 
 def _table(T: int, D: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, D] as rope_table makes them (halves equal), or arbitrary ones."""
+    """cos/sin [T, D] as rope_table makes them (halves equal) at random positions."""
     pos = torch.randint(0, 4096, (T,), generator=g)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     t = kernels.rope_table(pos, inv, 1.0, dtype)  # [T, 2D]
