@@ -11,7 +11,8 @@ both under `memory.device` (`gpu_mem`, `device_reserve`). Here:
   the budget fails as an out-of-memory error of this process instead of taking memory the
   job was not given. The context lives outside the allocator, the library workspaces and the
   allocator's fragmentation inside the cap. A no-op (None) on a CPU or for a plan without
-  --gpu-mem.
+  --gpu-mem. The cap is the process's, so `uncap(cap)` puts back the share it replaced when the
+  engine closes (the next engine in the same process, or other work, is not held to it).
 - `process_device_bytes(device)` is what the process holds on the device: NVML's figure for
   this process when pynvml imports and knows the device, else total - free from
   cudaMemGetInfo (which also counts other processes on the same GPU). None on a CPU.
@@ -37,6 +38,8 @@ class DeviceCap:
     reserve: int
     total: int
     fraction: float
+    index: int = 0
+    previous: float = 1.0  # the allocator's share before the cap, put back by `uncap`
 
     @property
     def allocator_bytes(self) -> int:
@@ -64,8 +67,24 @@ def cap_process(plan: dict[str, Any], device: torch.device | str) -> DeviceCap |
     total = int(torch.cuda.get_device_properties(index).total_memory)
     allowed = max(1, gpu_mem - reserve)
     fraction = min(1.0, allowed / total)
+    previous = _current_fraction(index)
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    return DeviceCap(gpu_mem, reserve, total, fraction)
+    return DeviceCap(gpu_mem, reserve, total, fraction, index, previous)
+
+
+def uncap(cap: DeviceCap | None) -> None:
+    """Put back the allocator's share that `cap_process` replaced; nothing for None."""
+    if cap is not None:
+        torch.cuda.set_per_process_memory_fraction(cap.previous, cap.index)
+
+
+def _current_fraction(index: int) -> float:
+    """The caching allocator's share of device `index` now (1.0 where torch cannot tell)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    try:
+        return float(get(index)) if get is not None else 1.0
+    except (RuntimeError, TypeError):  # an older torch, or an allocator without the figure
+        return 1.0
 
 
 def process_device_bytes(device: torch.device | str) -> tuple[int | None, str | None]:

@@ -21,7 +21,7 @@ from moecc.planner.costs import DEQUANT_TEMP_BYTES_PER_ELEM, dequant_device_byte
 from moecc.planner.hardware import DEVICE_RESERVE_BYTES, HardwareProfile, resolve_hardware
 from moecc.sizes import format_bytes
 from moecc.views.explain import DEVICE_ROWS, explain, format_explain
-from moecc_runtime.memory.device_budget import cap_process, plan_device_budget, process_device_bytes
+from moecc_runtime.memory.device_budget import cap_process, plan_device_budget, process_device_bytes, uncap
 
 from tests.compiler.passes.util import DATA, graph_before
 from tests.compiler.planner.test_solve import cost, problem
@@ -127,6 +127,25 @@ def test_the_runtime_cap_is_a_no_op_on_a_cpu():
     assert plan_device_budget({"memory": {}}) == (None, 0)
     assert cap_process(plan, torch.device("cpu")) is None
     assert process_device_bytes(torch.device("cpu")) == (None, None)
+
+
+def test_the_runtime_cap_is_put_back_when_the_engine_closes(monkeypatch):
+    """The allocator's share is the process's: the cap an engine set is undone by `uncap`, back to
+    what it replaced, so a second engine (or the weights written after it) is not held to the
+    first plan's budget (the first device run found this: a tiny plan's cap outlived its engine)."""
+    shares: dict[int, float] = {0: 0.5}
+    props = type("Props", (), {"total_memory": 100 * 10**9})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: shares.__setitem__(i, f))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: shares[i], raising=False)
+    plan = {"memory": {"device": {"gpu_mem": 24 * 10**9, "device_reserve": 4 * 10**9}}}
+    cap = cap_process(plan, torch.device("cuda"))
+    assert cap is not None and shares[0] == pytest.approx(0.2) and cap.allocator_bytes == 20 * 10**9
+    uncap(cap)
+    assert shares[0] == 0.5
+    uncap(None)
+    assert shares[0] == 0.5
 
 
 def test_batch_candidates_include_the_largest_batch_host_memory_holds():
