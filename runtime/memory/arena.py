@@ -79,3 +79,11 @@ class DeviceArena:
 
     def usage(self) -> dict[str, int]:
         return {name: r.high for name, r in self.regions.items()}
+
+    def close(self) -> None:
+        """Give the arena's memory back now, whatever still holds a view of it (a traceback, a
+        reference cycle): every region's tensors are empty afterwards. On CUDA it first waits for
+        the device's queued work, which may still read or write it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.base.untyped_storage().resize_(0)

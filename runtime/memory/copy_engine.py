@@ -259,7 +259,8 @@ class CopyEngine:
                 dep._done.wait()
             t0 = time.perf_counter()
             try:
-                self._run(job, lane)
+                with torch.inference_mode():  # the worker's mode (thread-local): its tensors are inference tensors
+                    self._run(job, lane)
                 with self._lock:
                     self.bytes += job.ticket.nbytes
                     self.copies += 1

@@ -568,6 +568,8 @@ class Worker:
             self._drop_host_buffers(list(self._host_bufs))
             self.kv.close()
             self.store.close()
+            if self.arena is not None:
+                self.arena.close()
             device_budget.uncap(self.device_cap)
             self.device_cap = None  # a second close leaves another engine's cap alone
 

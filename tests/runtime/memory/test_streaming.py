@@ -196,6 +196,27 @@ def test_arena_regions_are_bounded():
     assert arena.peak_bytes == 384
 
 
+def test_copy_engine_writes_into_the_workers_inference_tensors():
+    """The worker runs under torch.inference_mode, which is thread-local: buffers it makes there
+    are inference tensors, and the copy threads must be in the same mode to write them (the
+    first CUDA run failed here: "Inplace update to inference tensor outside InferenceMode")."""
+    with torch.inference_mode():
+        dst = torch.zeros(8)  # made where the worker makes its staging buffers
+    eng = CopyEngine(torch.device("cpu"))
+    try:
+        eng.submit("a staging buffer", 32, lambda: dst.copy_(torch.arange(8.0))).wait()
+        assert torch.equal(dst, torch.arange(8.0))
+    finally:
+        eng.close()
+
+
+def test_a_closed_arena_gives_its_memory_back_though_views_remain():
+    arena = DeviceArena(4096, "cpu")
+    view = arena.region("a", 1024).view(0, (16,), torch.float32)
+    arena.close()
+    assert arena.base.untyped_storage().nbytes() == 0 and view.untyped_storage().nbytes() == 0
+
+
 def test_copy_engine_reports_failure_with_what_was_copied():
     eng = CopyEngine(torch.device("cpu"))
     try:
