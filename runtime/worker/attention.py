@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moecc_runtime.contract.plan_types import Op
 from moecc_runtime.memory.kv import KVPool
@@ -198,8 +197,7 @@ def attend_decode(out: torch.Tensor, q: torch.Tensor, kbuf: torch.Tensor, vbuf: 
         vg = vbuf[:, g.first:g.first + g.S * g.n].reshape(Hkv, g.S, g.n * bs, Dv)
         qg = q[g.rows].view(g.S, Hkv, G, D).transpose(0, 1)  # [Hkv, S, G, D]
         if sinks is None:
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask[None, :, None, :],
-                                               scale=a["scaling"])  # [Hkv, S, G, Dv]
+            o = kernels.sdpa(qg, kg, vg, attn_mask=g.mask[None, :, None, :], scale=a["scaling"])  # [Hkv, S, G, Dv]
         else:  # [S, Hkv, G, 1, D] queries over [S, Hkv, 1, c, D] keys
             o = kernels.sink_attention(qg.transpose(0, 1)[:, :, :, None], kg.transpose(0, 1)[:, :, None],
                                        vg.transpose(0, 1)[:, :, None], g.mask[:, None, None, None, :],

@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moecc_runtime.contract.activations import ACTIVATIONS
 from moecc_runtime.syncs import to_list
@@ -176,6 +177,21 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     return torch.matmul(probs.to(v.dtype), v)
 
 
+# cuDNN's attention builds an execution plan for every new shape: on an H200 with torch 2.11 that
+# cost ~7 ms of host time a call, and a step's ragged groups make most calls new shapes (the
+# first device run's "device" placement spent 20 s of 28 there). These backends take any shape.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """F.scaled_dot_product_attention(q, k, v, **kw), on CUDA without cuDNN's backend (above);
+    every SDPA call of the runtime goes through here."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, a: dict,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's n new queries at positions start..start+n-1 over
@@ -207,8 +223,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start:
         qg = q.view(n, Hkv, G, -1).permute(1, 2, 0, 3)[None]  # [1, Hkv, G, n, D]
         o = sink_attention(qg, k_cache[None, :, None, :c], v_cache[None, :, None, :c], allowed, a["scaling"], sinks)
         return o[0].permute(2, 0, 1, 3).reshape(n, -1)  # [n, Hq*Dv]
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
-                                         scale=a["scaling"], enable_gqa=True)  # [1, Hq, n, D]
+    out = sdpa(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=a["scaling"], enable_gqa=True)  # [1, Hq, n, D]
     return out[0].transpose(0, 1).reshape(n, -1)
 
 
@@ -254,8 +269,8 @@ def attend_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: lis
         kb, vb = new(len(group), n, Hkv, D, dtype=k.dtype), new(len(group), n, Hkv, v.shape[-1], dtype=v.dtype)
         for i, (lo, hi) in enumerate(group):
             qb[i, :hi - lo], kb[i, :hi - lo], vb[i, :hi - lo] = q[lo:hi], k[lo:hi], v[lo:hi]
-        o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
-                                           is_causal=True, scale=scale, enable_gqa=True)  # [S, Hq, n, Dv]
+        o = sdpa(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                 is_causal=True, scale=scale, enable_gqa=True)  # [S, Hq, n, Dv]
         o = o.transpose(1, 2)  # [S, n, Hq, Dv]
         for i, (lo, hi) in enumerate(group):
             out[lo:hi] = o[i, :hi - lo]

@@ -109,3 +109,20 @@ def test_the_worker_dispatches_through_the_interface_only() -> None:
         assert "type: ignore" not in f.read_text(), f"{f.name}: a type: ignore"
         if f.name != "attention_backends.py":
             assert not re.search(r"[=!]= *\"(host|device)\"|in \(.*\"(host|device)\"", code), f"{f.name}"
+
+
+def test_every_sdpa_call_of_the_runtime_goes_through_kernels_sdpa():
+    """On CUDA kernels.sdpa leaves out cuDNN's backend, which builds a plan for every new shape
+    (ragged steps: ~7 ms of host time a call on the first device run); a direct call would
+    bring it back. On a CPU it is F.scaled_dot_product_attention itself."""
+    from moecc_runtime.worker import kernels
+
+    runtime = WORKER.parent
+    direct = [str(p.relative_to(runtime)) for p in runtime.rglob("*.py")
+              if "scaled_dot_product_attention(" in p.read_text() and p.name != "kernels.py"]
+    assert direct == []
+    assert torch.nn.attention.SDPBackend.CUDNN_ATTENTION not in kernels.CUDA_SDPA_BACKENDS
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(kernels.sdpa(q, k, v, is_causal=True), want)
