@@ -190,6 +190,35 @@ def test_streamed_weights_registered_in_place(store_keys, fake_register):
         store.close()
 
 
+def test_no_tensor_straddles_two_pieces_when_the_range_is_cut(store_keys, fake_register, monkeypatch):
+    """Pieces far smaller than the file (as 1 GiB pieces are against a real checkpoint), tensors
+    not on page boundaries (safetensors' data offset): every streamed tensor still lies inside one
+    registered piece. Cutting at the page under each tensor's start left the tensor before each
+    cut in two pieces, staged every step (the first device run: 0.94 of 11.3 GB)."""
+    plan, path, keys = store_keys
+    monkeypatch.setattr(pinned, "PIECE_BYTES", 2 * 4096)
+    store = _store(plan, path)
+    try:
+        srcs = [t for k in keys for t in store.stored(k).values()]
+        assert any(t.data_ptr() % 4096 for t in srcs)  # the case: tensors off page boundaries
+        pins = pinned_weights.pin_streamed(store, keys, torch.device("cuda"), pinned_weights.other_host_bytes(plan))
+        assert len(fake_register["register"]) > 1  # the range was cut
+        assert all(pins.covers(t) for t in srcs)
+        assert pins.pinned_bytes == pins.streamed_bytes
+        pins.close()
+    finally:
+        store.close()
+
+
+def test_cuts_fall_only_where_no_tensor_spans_them():
+    P = 4096
+    base = torch.empty(40 * P, dtype=torch.uint8)
+    b0 = base.data_ptr()
+    run = [base[100:3 * P], base[3 * P:5 * P + 7], base[5 * P + 7:9 * P], base[11 * P + 5:12 * P]]
+    # a page-aligned start (3P); none inside the page 5P..6P that two tensors share; a gap (9P..11P+5)
+    assert pinned_weights._cuts(run, b0, 0) == [3 * P, 9 * P]
+
+
 def test_streamed_weights_copied_when_the_mapping_is_refused(store_keys, fake_register, monkeypatch):
     plan, path, keys = store_keys
     store = _store(plan, path)
