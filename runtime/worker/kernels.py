@@ -409,7 +409,11 @@ def experts(
     out = torch.zeros_like(x)  # [T, H]
     flat = top_i.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k] slots grouped by expert
-    counts = to_list(torch.bincount(flat, minlength=num_experts), "route")  # [E]: the layer's one host read
+    # [E] tokens per expert: scatter_add, not bincount, which on CUDA reads the max back first
+    # (two syncs a layer on the first device run, where the read below is the only one needed)
+    idx = flat.long()  # itself when int64 (topk's)
+    tally = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, idx, torch.ones_like(idx))
+    counts = to_list(tally, "route")  # [E]: the layer's one host read
     flat_w = top_w.reshape(-1)
     starts = [0] * num_experts
     acc = 0
