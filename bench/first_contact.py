@@ -885,7 +885,8 @@ def _perf_targets(add: Callable[..., None], r: dict[str, Any], dma: float | None
         busy >= 0.9 if busy is not None and judged else None)
     why = "" if not judged or bound == "compute" else " (copy-bound: not judged)"
     judged = judged and bound == "compute"  # copy-bound: compute has nothing to hide copies behind
-    add(p + " overlap 1-wait/copy", _f(ov, ".3f"), ">= 0.90" + (why or ("" if judged else " (on CUDA; not judged here)")),
+    why = why or ("" if judged else " (on CUDA; not judged here)")
+    add(p + " overlap 1-wait/copy", _f(ov, ".3f"), ">= 0.90" + why,
         ov >= 0.9 if ov is not None and judged else None)
     add(p + " host reads/step", ", ".join(f"{k} {v:.1f}" for k, v in r["host_reads_per_step"].items()) or "0",
         "measured", None)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from moecc.compiler import compile_model
 from moecc.testing.checkpoints import write_checkpoint
 from moecc_runtime.contract.plan_types import PlanView
-from moecc_runtime.memory.packed_weights import (PackedInPlaceWeights, PackedLinear, in_place_weights, packable,
-                                                 packing_available)
+from moecc_runtime.memory.packed_weights import (PackedInPlaceWeights, PackedLinear, bucket_rows, in_place_weights,
+                                                 packable, packing_available)
 from moecc_runtime.memory.streaming import InPlaceWeights
 from moecc_runtime.memory.weights import TORCH_DTYPES, WeightStore, fp32_weight_keys
 from moecc_runtime.worker.kernels import attention_qkv, gated_mlp, rope_table
@@ -34,6 +34,19 @@ def test_packed_linear_is_f_linear(dtype, rows):
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_are_padded_to_few_buckets_and_give_the_same_rows():
+    """oneDNN JITs a kernel per row count: packed GEMMs run at bucketed row counts (zeros
+    padded, the output cut back), and a [..., in] input keeps its leading shape."""
+    assert [bucket_rows(m) for m in (0, 1, 16, 17, 256, 257, 1024, 1025, 4096)] == \
+        [0, 16, 16, 32, 256, 288, 1024, 1088, 4096]
+    assert len({bucket_rows(m) for m in range(1, 4097)}) == 16 + 24 + 48
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 80, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 5, 80, generator=g).to(torch.bfloat16)  # 15 rows: padded to 16
+    got = PackedLinear(w, 16)(x)
+    assert got.shape == (3, 5, 96) and torch.equal(got, F.linear(x, w))
 
 
 def test_stacked_gate_and_up_give_the_gated_mlp():
