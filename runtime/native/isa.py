@@ -9,6 +9,7 @@ compiler that built the kernel) lacks is refused with an error that says what it
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 ISAS = ("baseline", "avx2", "avx512", "avx512bf16")  # the kernel's ISA_BASELINE ... ISA_AVX512BF16 (cpu.h)
@@ -44,3 +45,16 @@ def supported(lib: ctypes.CDLL) -> list[str]:
 def current(lib: ctypes.CDLL) -> str:
     """The build calls run now."""
     return ISAS[lib.moecc_paged_attention_isa()]
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux's /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()

@@ -24,12 +24,14 @@ K/V into the (pinned) pool, attends, and sends the outputs back from pinned memo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from moecc_runtime import native
 from moecc_runtime.contract.plan_types import Op
+from moecc_runtime.native.isa import cpu_flags
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.streaming import KVStaging
 from moecc_runtime.worker import kernels
@@ -37,12 +39,23 @@ from moecc_runtime.worker.attention import attend_decode, blocks_needed, kv_view
 from moecc_runtime.worker.batch import MicroBatch
 
 
+def _native_prompt_rows() -> int | None:
+    """NATIVE_PROMPT_ROWS's default: 256, or None on a CPU with AMX tiles, where torch's SDPA runs
+    its products on them and the kernel (AVX-512 at most) loses: prompts of 300 and 600 tokens ran
+    0.37x and 0.23x SDPA's speed through it in bf16, 0.89x and 0.69x in fp32, on an AMX Xeon
+    (`python bench/attention.py --prompts 300,600`). MOECC_NATIVE_PROMPT_ROWS overrides (0: none)."""
+    env = os.environ.get("MOECC_NATIVE_PROMPT_ROWS", "").strip()
+    if env:
+        return int(env) or None
+    return None if "amx_tile" in cpu_flags() else 256
+
+
 #: prompt chunks of at least this many rows attend through the native kernel with the decoding
 #: rows (a group of a prompt's rows shares each key and value load; 1.2-1.8x torch's SDPA at 300-600
-#: tokens, bench/results/README.md). Shorter ones keep SDPA, which in bf16 rounds as
-#: transformers' own prefill does (the kernel's fp32 softmax and sums round once, at the end,
-#: so a bf16 model's logits move by bf16 rounding); there the kernel would buy little anyway
-NATIVE_PROMPT_ROWS = 256
+#: tokens on an AMD Zen 4, bench/results/README.md); None: none do. Shorter ones keep SDPA, which in
+#: bf16 rounds as transformers' own prefill does (the kernel's fp32 softmax and sums round once, at
+#: the end, so a bf16 model's logits move by bf16 rounding); there the kernel would buy little anyway
+NATIVE_PROMPT_ROWS: int | None = _native_prompt_rows()
 
 
 @dataclass
