@@ -31,9 +31,9 @@ import torch
 
 from moecc_runtime import native
 from moecc_runtime.contract.plan_types import Op
-from moecc_runtime.native.isa import cpu_flags
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.streaming import KVStaging
+from moecc_runtime.native.isa import cpu_flags
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.attention import attend_decode, blocks_needed, kv_view, project_qkv
 from moecc_runtime.worker.batch import MicroBatch
