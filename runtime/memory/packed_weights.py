@@ -86,8 +86,9 @@ class PackedLinear:
         rows = bucket_rows(m)
         if rows == m:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        padded = x.new_zeros((rows, self.in_features))  # [rows, in]
+        padded = x.new_empty((rows, self.in_features))  # [rows, in]
         padded[:m] = x.reshape(m, self.in_features)
+        padded[m:].zero_()
         y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, bias, "none", [], "")  # [rows, out]
         return y[:m].view(*x.shape[:-1], self.out_features)
 
