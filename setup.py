@@ -25,18 +25,20 @@ packages = find_packages(include=["moecc", "moecc.*"]) + [
 # over vec8.h / vec16.h) come from function target attributes, not compiler flags, so one compile
 # serves any x86-64 CPU (the kernel picks a build at run time) and a compiler without AVX-512
 # support still builds the rest.
-def native(name: str) -> Extension:
+def native(name: str, contract: str = "fast") -> Extension:
     return Extension(
         f"{RUNTIME_NAME}.native.{name}",
         sources=[f"{RUNTIME_DIR}/native/{name.lstrip('_')}.c"],
         depends=[f"{RUNTIME_DIR}/native/{h}"
                  for h in ("vec8.h", "vec16.h", "cpu.h", "attend_isa.h", "attend_lanes16.h", "dequant_wide.h")],
-        extra_compile_args=["-O3", "-std=c11", "-ffp-contract=fast"] if sys.platform != "win32" else ["/O2"],
+        extra_compile_args=["-O3", "-std=c11", f"-ffp-contract={contract}"] if sys.platform != "win32" else ["/O2"],
         libraries=["m"] if sys.platform != "win32" else [],
         optional=True,
     )
 
 
+# runtime/native/dequant.c: the formats' host dequantize; expert_rows.c: the element-wise passes
+# around an expert's GEMMs, built without fused multiply-adds (it rounds as torch's passes do).
 setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
       ext_modules=[native("_paged_attention"), native("_sample_rows"),
-                   native("_dequant")])  # runtime/native/dequant.c: the formats' host dequantize
+                   native("_dequant"), native("_expert_rows", contract="off")])

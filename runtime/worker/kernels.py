@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moecc_runtime.contract.activations import ACTIVATIONS
+from moecc_runtime.native import expert_rows
 from moecc_runtime.syncs import to_list
 
 
@@ -351,8 +352,10 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, down
     if gu is not None:
         both = linear(x, gu)  # [T, 2I]
         n = gate.split if up is None else gate.shape[0]
-        h = ACTIVATIONS[act](both[:, :n])  # [T, I]
-        h.mul_(both[:, n:])
+        h = both.new_empty((both.shape[0], n)) if ACTIVATIONS[act] is F.silu else None  # [T, I]
+        if h is None or not expert_rows.silu_mul(both, n, h):  # one pass on the host (bf16), same bits
+            h = ACTIVATIONS[act](both[:, :n])  # [T, I]
+            h.mul_(both[:, n:])
         return linear(h, down)
     h = ACTIVATIONS[act](linear(x, gate))  # [T, I]
     h.mul_(linear(x, up))  # in place: one [T, I] temporary fewer
@@ -430,8 +433,9 @@ def experts(
                 sl = slots[s:s + chunk]
                 tok = sl // k  # [c] token of each slot
                 y = mlp(x.index_select(0, tok), w)  # [c, H] (index_select: 2-4x x[tok]'s gather on a CPU)
-                y.mul_(flat_w[sl, None])
-                out.index_add_(0, tok, y.to(out.dtype))
+                if not expert_rows.scale_add_rows(out, tok, y, flat_w[sl]):  # one pass on the host, same bits
+                    y.mul_(flat_w[sl, None])
+                    out.index_add_(0, tok, y.to(out.dtype))
     finally:
         close = getattr(weights, "close", None)
         if close is not None:
