@@ -30,7 +30,7 @@ def native(name: str, contract: str = "fast") -> Extension:
         f"{RUNTIME_NAME}.native.{name}",
         sources=[f"{RUNTIME_DIR}/native/{name.lstrip('_')}.c"],
         depends=[f"{RUNTIME_DIR}/native/{h}"
-                 for h in ("vec8.h", "vec16.h", "cpu.h", "attend_isa.h", "attend_lanes16.h", "dequant_wide.h")],
+                 for h in ("vec8.h", "vec16.h", "cpu.h", "attend_isa.h", "attend_lanes16.h", "dequant_wide.h", "bf16.h")],
         extra_compile_args=["-O3", "-std=c11", f"-ffp-contract={contract}"] if sys.platform != "win32" else ["/O2"],
         libraries=["m"] if sys.platform != "win32" else [],
         optional=True,
@@ -38,7 +38,9 @@ def native(name: str, contract: str = "fast") -> Extension:
 
 
 # runtime/native/dequant.c: the formats' host dequantize; expert_rows.c: the element-wise passes
-# around an expert's GEMMs, built without fused multiply-adds (it rounds as torch's passes do).
+# around an expert's GEMMs; rope.c: rotary embedding. The last two are built without fused
+# multiply-adds: they round as torch's passes do.
 setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
       ext_modules=[native("_paged_attention"), native("_sample_rows"),
-                   native("_dequant"), native("_expert_rows", contract="off")])
+                   native("_dequant"), native("_expert_rows", contract="off"),
+                   native("_rope", contract="off")])

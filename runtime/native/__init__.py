@@ -4,7 +4,8 @@ place (paged_attention.c, `moecc_runtime.native._paged_attention`), the sampler'
 step's logits on the host (sample_rows.c, `moecc_runtime.native._sample_rows`) and the formats'
 dequantize on the host (dequant.c, `moecc_runtime.native._dequant`: `dequant_rows()`, a Python
 function of the extension itself, called by moecc_runtime.formats._grouped) and the element-wise
-passes around an expert's GEMMs (expert_rows.c and expert_rows.py, called by worker/kernels.py).
+passes around an expert's GEMMs and rotary embedding (expert_rows.c / .py and rope.c / .py,
+called by worker/kernels.py).
 
 `available()` / `sampling_available()` say whether each was built; `paged_attention(...)` and
 `draw_rows(...)` call them on tensors. MOECC_NO_NATIVE=1 turns both off. The attention kernel's
@@ -49,6 +50,8 @@ _DEQUANT_ARGTYPES = [_PTR, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR,
 
 #: expert_rows.c's silu_mul: gu, row stride, R, I, h, row stride, table, threads
 _SILU_MUL_ARGTYPES = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT]
+#: rope.c: x, row and head strides, T, heads, D, cos, sin, their row stride, out, dtype, threads
+_ROPE_ARGTYPES = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT]
 
 
 def dequant_library() -> ctypes.CDLL | None:
@@ -78,7 +81,7 @@ def _load(module: str, symbol: str) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     fn = getattr(lib, symbol)
     fn.argtypes = {"moecc_paged_attention": _ARGTYPES, "moecc_dequant_rows": _DEQUANT_ARGTYPES,
-                   "moecc_silu_mul": _SILU_MUL_ARGTYPES}.get(symbol, _DRAW_ARGTYPES)
+                   "moecc_silu_mul": _SILU_MUL_ARGTYPES, "moecc_rope": _ROPE_ARGTYPES}.get(symbol, _DRAW_ARGTYPES)
     fn.restype = ctypes.c_int
     if module == "_paged_attention":
         isa.configure(lib)  # MOECC_NATIVE_ISA

@@ -26,6 +26,7 @@
 #include <string.h>
 #include <Python.h>
 
+#include "bf16.h"
 #include "cpu.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
@@ -42,21 +43,6 @@ typedef struct {
     int64_t per_item, items, next;
 } Job;
 
-static inline __attribute__((always_inline)) float bf2f(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float x;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
-/* fp32 -> bf16, to nearest even; NaN becomes 0x7fc0 (as torch's conversion). */
-static inline __attribute__((always_inline)) uint16_t f2bf(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)r;
-}
-
 /* Row r of the job: plain loops the compiler vectorizes (gathers for the table on AVX2). */
 static inline __attribute__((always_inline)) void silu_mul_row(const Job *j, int64_t r) {
     const uint16_t *g = (const uint16_t *)j->a + r * j->lda, *u = g + j->C;
@@ -70,7 +56,7 @@ static inline __attribute__((always_inline)) void scale_add_row(const Job *j, in
     if (j->dtype == DT_BF16) {
         const uint16_t *y = (const uint16_t *)j->a + r * j->lda;
         uint16_t *o = (uint16_t *)j->out + j->rows[r] * j->ldo;
-        for (int64_t c = 0; c < j->C; c++) o[c] = f2bf(bf2f(o[c]) + bf2f(f2bf(bf2f(y[c]) * wr)));
+        for (int64_t c = 0; c < j->C; c++) o[c] = f2bf(bf2f(o[c]) + bf_round(bf2f(y[c]) * wr));
     } else {
         const float *y = (const float *)j->a + r * j->lda;
         float *o = (float *)j->out + j->rows[r] * j->ldo;

@@ -1,4 +1,5 @@
-"""kernels.rmsnorm on a CPU normalises NORM_ROWS rows at a time: the same bits as the whole
+"""kernels.rmsnorm on a CPU normalises NORM_ROWS rows at a time (twice as many up to a width of
+NORM_WIDE_H): the same bits as the whole
 tensor at once (each row's reduction is its own), in every dtype and shape it is called with."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from moecc_runtime.worker import kernels
 @pytest.mark.parametrize("w_fp32", [False, True])
 def test_row_chunks_equal_the_whole(dtype: torch.dtype, w_fp32: bool) -> None:
     g = torch.Generator().manual_seed(0)
-    for shape in ((8192, 768), (kernels.NORM_ROWS + 1, 64), (1000, 8, 96), (300, 2, 1, 128)):
+    for shape in ((8192, 768), (2 * kernels.NORM_ROWS + 1, 64), (1000, 8, 96), (300, 2, 1, 128),
+                  (kernels.NORM_ROWS + 1, 2 * kernels.NORM_WIDE_H)):
         x = (torch.randn(*shape, generator=g) * 3).to(dtype)
         w = torch.randn(shape[-1], generator=g).to(torch.float32 if w_fp32 else dtype)
         whole, rows = kernels._rmsnorm(x, w, 1e-6), kernels.rmsnorm(x, w, 1e-6)
@@ -23,7 +25,7 @@ def test_row_chunks_equal_the_whole(dtype: torch.dtype, w_fp32: bool) -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(T=st.integers(1, 3 * kernels.NORM_ROWS + 5), H=st.sampled_from([8, 96, 768]),
+@given(T=st.integers(1, 6 * kernels.NORM_ROWS + 5), H=st.sampled_from([8, 96, 768, 2048]),
        heads=st.sampled_from([0, 3]), threads=st.sampled_from([1, 2]))
 def test_any_row_count_and_threads(T: int, H: int, heads: int, threads: int) -> None:
     """Row counts around the chunk edges, per-head inputs [T, heads, D] (q/k norms) and a

@@ -1,5 +1,6 @@
 """kernels.apply_rope computes transformers' x * cos + rotate_half(x) * sin by halves, with the
-same bits, in every dtype and on strided views; attention_qkv rotates a packed q|k|v GEMM's q
+same bits, in every dtype and on strided views (fp32 and bf16 on the host through the native
+pass, runtime/native/rope.c, where it was built); attention_qkv rotates a packed q|k|v GEMM's q
 and k as one, with the same bits as each alone.
 
 Legend: T = tokens, Hq / Hkv = query / key-value heads, D = head dim."""
@@ -10,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from moecc_runtime.native import rope as native_rope
 from moecc_runtime.worker import kernels
 
 
@@ -85,3 +87,22 @@ def test_side_by_side_needs_one_buffer() -> None:
     assert not kernels._side_by_side(q, k.clone())
     one = torch.randn(2, 8)  # T = 1, MHA: q's only row and k's could be neighbours in memory
     assert not kernels._side_by_side(one[0:1].clone(), one[1:2].clone())
+
+
+@pytest.mark.skipif(native_rope._module() is None, reason="the native rope was not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_pass_taken_with_torch_bits(monkeypatch, dtype: torch.dtype) -> None:
+    """The host pass runs for fp32 and bf16 (a packed q|k view, the table's halves) and gives the
+    bits of torch's passes; float16 and a non-contiguous head dimension are left to torch."""
+    g = torch.Generator().manual_seed(5)
+    T, Hq, Hkv, D = 37, 4, 2, 64
+    qkv = (torch.randn(T, (Hq + 2 * Hkv) * D, generator=g) * 4).to(dtype)  # [T, (Hq + 2 Hkv) D]
+    x = qkv.as_strided((T, Hq + Hkv, D), (qkv.stride(0), D, 1))  # [T, Hq + Hkv, D]: q and k
+    cos, sin = _table(T, D, dtype, g)
+    native = native_rope.rope(x, cos, sin)
+    assert native is not None and native.is_contiguous()
+    monkeypatch.setattr(native_rope, "_module", lambda: None)
+    assert torch.equal(native, kernels.apply_rope(x, cos, sin))
+    monkeypatch.undo()
+    assert native_rope.rope(x.half(), cos.half(), sin.half()) is None
+    assert native_rope.rope(x.transpose(1, 2)[:, :, :Hq + Hkv].contiguous().transpose(1, 2), cos, sin) is None

@@ -1,0 +1,136 @@
+/* Rotary position embedding on the host in one pass (torch runs it as four products, a sum, a
+ * difference and a concatenation, each a pass over a step's [T, heads, D] queries and keys):
+ *
+ *   out[t, h, j]     = x[t, h, j] * cos[t, j]     - x[t, h, j + D/2] * sin[t, j]
+ *   out[t, h, j+D/2] = x[t, h, j+D/2] * cos[t, j+D/2] + x[t, h, j] * sin[t, j+D/2]     j < D/2
+ *
+ * Legend: T rows (tokens), heads the heads rotated (queries and keys side by side), D the head
+ * size; x any row and head strides (its last dimension contiguous), cos and sin [T, D] with one
+ * row stride (the rope table's halves), out [T, heads, D] contiguous.
+ *
+ * The bits are kernels.apply_rope's (transformers' x * cos + rotate_half(x) * sin): each product
+ * rounded to the dtype, then their sum or difference. Built without contracting a product and a
+ * sum into one fused multiply-add (setup.py). bf16 or fp32, x, the table and out alike.
+ *
+ * Rows are split into blocks taken from an atomic counter by `nthreads` threads (torch's OpenMP
+ * team where one was handed over: cpu.h). Both builds (AVX2+FMA clone, baseline) are the same
+ * plain loops and compute the same bits. No torch headers: the runtime passes data pointers
+ * (runtime/native/rope.py).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <Python.h>
+
+#include "bf16.h"
+#include "cpu.h"
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+typedef struct {
+    const void *x; int64_t xs_t, xs_h;  /* x [T, heads, D]: row and head strides (elements) */
+    const void *cos, *sin; int64_t ts;   /* [T, D] each, one row stride */
+    void *out;                           /* [T, heads, D] contiguous */
+    int64_t T, heads, D;
+    int dtype;
+    int64_t per_item, items, next;
+} Job;
+
+/* Row t, the first halves then the second (locals and restrict: loops the compiler vectorizes). */
+static inline __attribute__((always_inline)) void rope_row_bf16(const Job *j, int64_t t) {
+    const int64_t h2 = j->D / 2, heads = j->heads, D = j->D, xs_h = j->xs_h;
+    const uint16_t *restrict cs = (const uint16_t *)j->cos + t * j->ts, *restrict sn = (const uint16_t *)j->sin + t * j->ts;
+    const uint16_t *xt = (const uint16_t *)j->x + t * j->xs_t;
+    uint16_t *ot = (uint16_t *)j->out + t * heads * D;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        const uint16_t *restrict x1 = xt + hd * xs_h, *restrict x2 = x1 + h2;
+        uint16_t *restrict o1 = ot + hd * D, *restrict o2 = o1 + h2;
+        for (int64_t c = 0; c < h2; c++)
+            o1[c] = f2bf(bf_round(bf2f(x1[c]) * bf2f(cs[c])) - bf_round(bf2f(x2[c]) * bf2f(sn[c])));
+        for (int64_t c = 0; c < h2; c++)
+            o2[c] = f2bf(bf_round(bf2f(x2[c]) * bf2f(cs[h2 + c])) + bf_round(bf2f(x1[c]) * bf2f(sn[h2 + c])));
+    }
+}
+
+static inline __attribute__((always_inline)) void rope_row_f32(const Job *j, int64_t t) {
+    const int64_t h2 = j->D / 2, heads = j->heads, D = j->D, xs_h = j->xs_h;
+    const float *restrict cs = (const float *)j->cos + t * j->ts, *restrict sn = (const float *)j->sin + t * j->ts;
+    const float *xt = (const float *)j->x + t * j->xs_t;
+    float *ot = (float *)j->out + t * heads * D;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        const float *restrict x1 = xt + hd * xs_h, *restrict x2 = x1 + h2;
+        float *restrict o1 = ot + hd * D, *restrict o2 = o1 + h2;
+        for (int64_t c = 0; c < h2; c++) o1[c] = x1[c] * cs[c] - x2[c] * sn[c];
+        for (int64_t c = 0; c < h2; c++) o2[c] = x2[c] * cs[h2 + c] + x1[c] * sn[h2 + c];
+    }
+}
+
+#define ROWS_BODY                                                   \
+    for (int64_t t = r0; t < r1; t++) {                             \
+        if (j->dtype == DT_BF16) rope_row_bf16(j, t);               \
+        else rope_row_f32(j, t);                                    \
+    }
+
+#ifdef HAVE_AVX2_CLONE
+__attribute__((target("avx2,fma"))) static void rows_avx2(const Job *j, int64_t r0, int64_t r1) { ROWS_BODY }
+#endif
+static void rows_base(const Job *j, int64_t r0, int64_t r1) { ROWS_BODY }
+
+static void *worker(void *arg) {
+    Job *j = (Job *)arg;
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (item >= j->items) break;
+        const int64_t r0 = item * j->per_item, r1 = r0 + j->per_item < j->T ? r0 + j->per_item : j->T;
+#ifdef HAVE_AVX2_CLONE
+        if (use_avx2()) {
+            rows_avx2(j, r0, r1);
+            continue;
+        }
+#endif
+        rows_base(j, r0, r1);
+    }
+    return NULL;
+}
+
+#define MIN_ITEM_ELEMS 16384  /* a thread's work item: at least this many outputs (whole rows) */
+
+/* Returns 0, or 1 when the arguments are inconsistent (nothing written). */
+int moecc_rope(const void *x, int64_t xs_t, int64_t xs_h, int64_t T, int64_t heads, int64_t D, const void *cos,
+               const void *sin, int64_t ts, void *out, int dtype, int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || T < 0 || heads < 0 || D < 0 || D % 2 || ts < D) return 1;
+    if (T == 0 || heads == 0 || D == 0) return 0;
+    Job j = {x, xs_t, xs_h, cos, sin, ts, out, T, heads, D, dtype, 0, 0, 0};
+    const int64_t row = heads * D;
+    j.per_item = row >= MIN_ITEM_ELEMS ? 1 : (MIN_ITEM_ELEMS + row - 1) / row;
+    j.items = (T + j.per_item - 1) / j.per_item;
+    run_threads(worker, &j, nthreads, j.items);
+    return 0;
+}
+
+/* rope(x, x_row_stride, x_head_stride, T, heads, D, cos, sin, cos_sin_row_stride, out, dtype, nthreads)
+ * from Python (METH_FASTCALL, pointers as ints, the work without the GIL). */
+static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    long long v[12];
+    if (n != 12) return PyErr_Format(PyExc_TypeError, "rope takes 12 arguments (%zd given)", n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = moecc_rope((const void *)(intptr_t)v[0], v[1], v[2], v[3], v[4], v[5], (const void *)(intptr_t)v[6],
+                    (const void *)(intptr_t)v[7], v[8], (void *)(intptr_t)v[9], (int)v[10], (int)v[11]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+static PyMethodDef methods[] = {
+    {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL,
+     "rope(x, x_row_stride, x_head_stride, T, heads, D, cos, sin, cos_sin_row_stride, out, dtype, nthreads) -> 0 or 1"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rope", "moecc's rotary position embedding on the host.",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__rope(void) { return PyModule_Create(&module); }
