@@ -33,7 +33,7 @@ _ARGTYPES = [_PTR, _I64, _I64, _INT,  # q, row and head strides, q dtype
              _INT, _INT, _INT, _INT, _INT,  # Hkv, G, D, Dv, bs
              _PTR, _I64, _PTR, _PTR, _PTR, _PTR,  # rows, nrows, tables, table_off, ctx, lo
              _PTR, _F32,  # sinks, scale
-             _PTR, _I64, _I64, _INT]  # out, row and head strides, threads
+             _PTR, _I64, _I64, _INT, _INT]  # out, row and head strides, out dtype, threads
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -168,7 +168,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
     r in `rows` (consecutive entries r, r+1, ... with one table_off and lo and ctx one more each,
     a prompt chunk's rows, run as one work item: the same bits as each alone). needs: q [t, Hq, D]
     fp32 or bf16 (bf16 over a bf16 pool: scored by vdpbf16ps where the avx512bf16 build runs,
-    else widened exactly) and out [t, Hq, Dv] fp32 with unit last stride,
+    else widened exactly) and out [t, Hq, Dv] fp32 or bf16 (the fp32 result rounded as torch's
+    conversion rounds it) with unit last stride,
     k [Hkv, NB, bs, D] / v [Hkv, NB, bs, Dv] one layer of the pool (fp32 or bf16, unit last
     stride; latent attention: v a view of k's first Dv elements), tables the concatenated
     block tables and table_off [t] where row r's starts, ctx / lo [t], rows [n], all int64 on
@@ -182,8 +183,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
     for name, x in (("q", q), ("out", out), ("k", k), ("v", v)):
         if x.stride(-1) != 1 or x.device.type != "cpu":
             raise ValueError(f"paged_attention: {name} must be a CPU tensor with a unit last stride")
-    if q.dtype not in KV_DTYPES or out.dtype != torch.float32 or k.dtype != v.dtype or k.dtype not in KV_DTYPES:
-        raise ValueError(f"paged_attention: q fp32 or bf16, out fp32 and K/V fp32 or bf16, got {q.dtype}, "
+    if q.dtype not in KV_DTYPES or out.dtype not in KV_DTYPES or k.dtype != v.dtype or k.dtype not in KV_DTYPES:
+        raise ValueError(f"paged_attention: q, out and K/V fp32 or bf16, got {q.dtype}, "
                          f"{out.dtype}, {k.dtype}")
     t = q.shape[0]
     if Hq % Hkv or q.shape[-1] != D or tuple(out.shape) != (t, Hq, Dv) or v.shape[:3] != k.shape[:3]:
@@ -203,6 +204,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         Hkv, Hq // Hkv, D, Dv, bs, idx[0].data_ptr(), idx[0].numel(), idx[1].data_ptr(), idx[2].data_ptr(),
         idx[3].data_ptr(), idx[4].data_ptr(), sk.data_ptr() if sk is not None else None, float(scale),
-        out.data_ptr(), out.stride(0), out.stride(1), int(threads or torch.get_num_threads()))
+        out.data_ptr(), out.stride(0), out.stride(1), KV_DTYPES[out.dtype], int(threads or torch.get_num_threads()))
     if rc != 0:
         raise MemoryError("paged_attention: the kernel could not allocate its scratch memory")

@@ -48,7 +48,7 @@ typedef struct {
     const int64_t *tables, *table_off, *ctx, *lo;   /* per row (indexed by the row itself) */
     const float *sinks;                              /* [Hq] or NULL */
     float scale;
-    float *out; int64_t o_row, o_head;               /* out [t, Hq, Dv] */
+    void *out; int64_t o_row, o_head; int o_dtype;   /* out [t, Hq, Dv]: fp32 (0) or bf16 (1, rounded to nearest even) */
     int isa;                                         /* the build every thread runs */
     int64_t next;                                    /* the work counter */
     int failed;
@@ -66,6 +66,7 @@ static inline __attribute__((always_inline)) float kv_at(const void *base, int64
     return bf ? bf16_at((const uint16_t *)base, at) : ((const float *)base)[at];
 }
 
+#include "bf16.h"
 #include "cpu.h"
 #include "vec8.h"
 #include "vec16.h"
@@ -134,10 +135,16 @@ static inline __attribute__((always_inline)) void finish_item(const Job *j, int6
             corr = expf(mx - top);
             sum = sum * corr + expf(sk - top);
         }
-        float *o = j->out + r * j->o_row + (int64_t)(h * G + g) * j->o_head;
+        const int64_t at = r * j->o_row + (int64_t)(h * G + g) * j->o_head;
         const float *a = acc + (int64_t)g * Dv;
         const float f = sum > 0.f ? corr / sum : 0.f;
-        for (int d = 0; d < Dv; d++) o[d] = a[d] * f;
+        if (j->o_dtype == 1) {  /* torch's fp32 -> bf16 of the fp32 result: the same bits */
+            uint16_t *o = (uint16_t *)j->out + at;
+            for (int d = 0; d < Dv; d++) o[d] = f2bf(a[d] * f);
+        } else {
+            float *o = (float *)j->out + at;
+            for (int d = 0; d < Dv; d++) o[d] = a[d] * f;
+        }
     }
 }
 
@@ -252,13 +259,13 @@ int moecc_paged_attention(
     int Hkv, int G, int D, int Dv, int bs,
     const int64_t *rows, int64_t nrows, const int64_t *tables, const int64_t *table_off,
     const int64_t *ctx, const int64_t *lo, const float *sinks, float scale,
-    float *out, int64_t o_row, int64_t o_head, int nthreads) {
+    void *out, int64_t o_row, int64_t o_head, int o_dtype, int nthreads) {
     int64_t *group = (int64_t *)malloc((size_t)(nrows + 1) * sizeof(int64_t));
     if (!group) return 1;
     const int qr = G < QUERIES_PER_ITEM ? QUERIES_PER_ITEM / G : 1;
     Job j = {q, q_row, q_head, q_dtype, k, v, kv_dtype, k_head, k_block, k_pos, v_head, v_block, v_pos,
              Hkv, G, D, Dv, bs, rows, nrows, group, 0, qr, tables, table_off, ctx, lo, sinks, scale,
-             out, o_row, o_head, moecc_paged_attention_isa(), 0, 0};
+             out, o_row, o_head, o_dtype, moecc_paged_attention_isa(), 0, 0};
     j.ngroups = row_groups(&j, group);
     run_threads(worker, &j, nthreads, j.ngroups * Hkv);
     free(group);

@@ -165,8 +165,11 @@ class HostAttention:
         window = a.get("sliding_window")
         view = host_view(mb, window, self.pool.block_size, self._prompt_rows)
         kp, vp = self._pools(layer, a)
-        out = torch.empty((q.shape[0], q.shape[1], vp.shape[-1]), dtype=torch.float32,
-                          pin_memory=self.pin)  # [t, Hq, Dv]
+        # [t, Hq, Dv] in the queries' dtype where the kernel writes it (fp32, bf16: the bits of
+        # fp32 rounded as torch rounds them), so prompt rows from SDPA are copied, not widened
+        # and narrowed again
+        odt = q.dtype if q.dtype in native.KV_DTYPES else torch.float32
+        out = torch.empty((q.shape[0], q.shape[1], vp.shape[-1]), dtype=odt, pin_memory=self.pin)
         if view.rows.numel():
             if self.native:
                 native.paged_attention(native.kernel_queries(q), kp, vp, view.rows, view.tables, view.table_off,

@@ -165,6 +165,23 @@ def test_kernel_matches_reference(case):
 
 
 @needs_native
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=attention_cases())
+def test_bf16_output_is_the_fp32_output_rounded(case):
+    """A bf16 `out` holds exactly the fp32 output as torch rounds it to bf16 (a bf16 model's
+    attention output: no fp32 buffer widened and narrowed again); rows not asked stay as they were."""
+    q, k, v, rows, tables, table_off, ctx, lo, scale, out, _, sinks = build_case(case)
+    native.paged_attention(q, k, v, rows, tables, table_off, ctx, lo, scale, out, sinks, threads=case["threads"])
+    half = torch.full(out.shape, 3.0, dtype=torch.bfloat16)  # [t, Hq, Dv]
+    native.paged_attention(q, k, v, rows, tables, table_off, ctx, lo, scale, half, sinks, threads=case["threads"])
+    listed = sorted(set(case["rows"]))
+    unlisted = [r for r in range(q.shape[0]) if r not in listed]
+    assert torch.equal(half[listed], out[listed].to(torch.bfloat16))
+    assert bool((half[unlisted] == 3.0).all())
+
+
+@needs_native
 def test_kernel_threads_agree_bitwise():
     """Work items are whole (row, KV head) pairs: any thread count gives the same bits."""
     case = dict(D=64, Dv=64, mla=False, Hkv=4, G=2, bs=16, ctx=[300, 1, 77, 129, 16, 250], lo=[0, 0, 10, 100, 0, 0],
