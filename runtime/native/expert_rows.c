@@ -17,8 +17,8 @@
  *                     contracting the two into a fused multiply-add (setup.py).
  * Rounding to bf16 is to nearest even; a NaN stays a NaN (its bits may differ from torch's).
  *
- * Work is split into blocks of rows taken from an atomic counter by `nthreads` threads (torch's
- * OpenMP team where one was handed over: cpu.h). Both builds (AVX2+FMA clone, baseline) are the
+ * Rows run on `nthreads` threads (row_items.h; torch's OpenMP team where one was handed over:
+ * cpu.h). Both builds (AVX2+FMA clone, baseline) are the
  * same plain loops and compute the same bits. No torch headers: the runtime passes data
  * pointers (runtime/native/expert_rows.py).
  */
@@ -28,6 +28,7 @@
 
 #include "bf16.h"
 #include "cpu.h"
+#include "row_items.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -40,7 +41,6 @@ typedef struct {
     const float *lut;                /* silu_mul: [65536] silu of every bf16 value, rounded to bf16 */
     int64_t R, C;                    /* rows, columns (I or H) */
     int dtype;
-    int64_t per_item, items, next;
 } Job;
 
 /* Row r of the job: plain loops the compiler vectorizes (gathers for the table on AVX2). */
@@ -64,58 +64,35 @@ static inline __attribute__((always_inline)) void scale_add_row(const Job *j, in
     }
 }
 
+/* Rows [r0, r1) of the job (row_items.h runs them on the threads); each build compiles it. */
 #define ROWS_BODY                                                 \
+    const Job *j = (const Job *)job;                              \
     for (int64_t r = r0; r < r1; r++) {                           \
         if (j->op == 0) silu_mul_row(j, r);                       \
         else scale_add_row(j, r);                                 \
     }
 
 #ifdef HAVE_AVX2_CLONE
-__attribute__((target("avx2,fma"))) static void rows_avx2(const Job *j, int64_t r0, int64_t r1) { ROWS_BODY }
+__attribute__((target("avx2,fma"))) static void rows_avx2(const void *job, int64_t r0, int64_t r1) { ROWS_BODY }
+#else
+#define rows_avx2 NULL
 #endif
-static void rows_base(const Job *j, int64_t r0, int64_t r1) { ROWS_BODY }
-
-static void *worker(void *arg) {
-    Job *j = (Job *)arg;
-    for (;;) {
-        const int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (item >= j->items) break;
-        const int64_t r0 = item * j->per_item, r1 = r0 + j->per_item < j->R ? r0 + j->per_item : j->R;
-#ifdef HAVE_AVX2_CLONE
-        if (use_avx2()) {
-            rows_avx2(j, r0, r1);
-            continue;
-        }
-#endif
-        rows_base(j, r0, r1);
-    }
-    return NULL;
-}
-
-#define MIN_ITEM_ELEMS 16384  /* a thread's work item: at least this many outputs (whole rows) */
-
-static void run(Job *j, int nthreads) {
-    if (j->R <= 0 || j->C <= 0) return;
-    j->per_item = j->C >= MIN_ITEM_ELEMS ? 1 : (MIN_ITEM_ELEMS + j->C - 1) / j->C;
-    j->items = (j->R + j->per_item - 1) / j->per_item;
-    j->next = 0;
-    run_threads(worker, j, nthreads, j->items);
-}
+static void rows_base(const void *job, int64_t r0, int64_t r1) { ROWS_BODY }
 
 /* bf16 only. Returns 0, or 1 when the arguments are inconsistent (nothing written). */
 int moecc_silu_mul(const void *gu, int64_t ldg, int64_t R, int64_t I, void *h, int64_t ldh, const float *lut,
                    int nthreads) {
     if (R < 0 || I < 0 || ldg < 2 * I || ldh < I || !lut) return 1;
-    Job j = {0, gu, ldg, h, ldh, NULL, NULL, lut, R, I, DT_BF16, 0, 0, 0};
-    run(&j, nthreads);
+    Job j = {0, gu, ldg, h, ldh, NULL, NULL, lut, R, I, DT_BF16};
+    run_row_items(&j, rows_avx2, rows_base, R, I, nthreads);
     return 0;
 }
 
 int moecc_scale_add_rows(void *out, int64_t ldo, const int64_t *rows, int64_t n, const void *y, int64_t ldy,
                          const float *w, int64_t H, int dtype, int nthreads) {
     if ((dtype != DT_F32 && dtype != DT_BF16) || n < 0 || H < 0 || ldy < H || ldo < H) return 1;
-    Job j = {1, y, ldy, out, ldo, rows, w, NULL, n, H, dtype, 0, 0, 0};
-    run(&j, nthreads);
+    Job j = {1, y, ldy, out, ldo, rows, w, NULL, n, H, dtype};
+    run_row_items(&j, rows_avx2, rows_base, n, H, nthreads);
     return 0;
 }
 

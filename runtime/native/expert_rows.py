@@ -1,7 +1,7 @@
 """The element-wise passes around an expert's GEMMs on the host, one pass each (expert_rows.c,
 `moecc_runtime.native._expert_rows`): `silu_mul` (the gated MLP's activation) and
 `scale_add_rows` (an expert's weighted rows added into the layer's output), with torch's bits.
-Each returns False, having done nothing, where it does not apply (not built, MOECC_NO_NATIVE, a
+Each returns None or False, having done nothing, where it does not apply (not built, MOECC_NO_NATIVE, a
 GPU tensor, a dtype it does not take: silu_mul bf16 only, scale_add_rows fp32 or bf16; strides
 it does not take); the caller then runs torch's passes.
 """
@@ -39,17 +39,19 @@ def _silu_table() -> torch.Tensor:
     return torch.nn.functional.silu(every).float()
 
 
-def silu_mul(gu: torch.Tensor, inter: int, out: torch.Tensor) -> bool:
-    """out = silu(gu[:, :inter]) * gu[:, inter:2*inter], the bits of F.silu(g) * u.
-    gu: [R, >= 2I] bf16  out: [R, I] bf16. False: not done (see the module docstring)."""
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor | None:
+    """silu(gu[:, :inter]) * gu[:, inter:2*inter], the bits of F.silu(g) * u.
+    gu: [R, >= 2I] bf16 -> [R, I] bf16, or None: not done, nothing allocated (see the module
+    docstring)."""
     mod = _module()
-    if mod is None or gu.dtype != torch.bfloat16 or out.dtype != gu.dtype or not (_rows(gu) and _rows(out)):
-        return False
-    if out.shape != (gu.shape[0], inter) or gu.shape[1] < 2 * inter:
-        raise ValueError(f"silu_mul: gu {tuple(gu.shape)} and out {tuple(out.shape)} for intermediate size {inter}")
+    if mod is None or gu.dtype != torch.bfloat16 or not _rows(gu):
+        return None
+    if gu.shape[1] < 2 * inter:
+        raise ValueError(f"silu_mul: gu {tuple(gu.shape)} for intermediate size {inter}")
+    out = gu.new_empty((gu.shape[0], inter))  # [R, I]
     rc = mod.silu_mul(gu.data_ptr(), gu.stride(0), gu.shape[0], inter, out.data_ptr(), out.stride(0),
                       _silu_table().data_ptr(), torch.get_num_threads())
-    return rc == 0
+    return out if rc == 0 else None
 
 
 def scale_add_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> bool:

@@ -12,8 +12,8 @@
  * rounded to the dtype, then their sum or difference. Built without contracting a product and a
  * sum into one fused multiply-add (setup.py). bf16 or fp32, x, the table and out alike.
  *
- * Rows are split into blocks taken from an atomic counter by `nthreads` threads (torch's OpenMP
- * team where one was handed over: cpu.h). Both builds (AVX2+FMA clone, baseline) are the same
+ * Rows run on `nthreads` threads (row_items.h; torch's OpenMP team where one was handed over:
+ * cpu.h). Both builds (AVX2+FMA clone, baseline) are the same
  * plain loops and compute the same bits. No torch headers: the runtime passes data pointers
  * (runtime/native/rope.py).
  */
@@ -23,6 +23,7 @@
 
 #include "bf16.h"
 #include "cpu.h"
+#include "row_items.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -32,7 +33,6 @@ typedef struct {
     void *out;                           /* [T, heads, D] contiguous */
     int64_t T, heads, D;
     int dtype;
-    int64_t per_item, items, next;
 } Job;
 
 /* Row t, the first halves then the second (locals and restrict: loops the compiler vectorizes). */
@@ -64,46 +64,28 @@ static inline __attribute__((always_inline)) void rope_row_f32(const Job *j, int
     }
 }
 
+/* Rows [r0, r1) of the job (row_items.h runs them on the threads); each build compiles it. */
 #define ROWS_BODY                                                   \
+    const Job *j = (const Job *)job;                                \
     for (int64_t t = r0; t < r1; t++) {                             \
         if (j->dtype == DT_BF16) rope_row_bf16(j, t);               \
         else rope_row_f32(j, t);                                    \
     }
 
 #ifdef HAVE_AVX2_CLONE
-__attribute__((target("avx2,fma"))) static void rows_avx2(const Job *j, int64_t r0, int64_t r1) { ROWS_BODY }
+__attribute__((target("avx2,fma"))) static void rows_avx2(const void *job, int64_t r0, int64_t r1) { ROWS_BODY }
+#else
+#define rows_avx2 NULL
 #endif
-static void rows_base(const Job *j, int64_t r0, int64_t r1) { ROWS_BODY }
-
-static void *worker(void *arg) {
-    Job *j = (Job *)arg;
-    for (;;) {
-        const int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (item >= j->items) break;
-        const int64_t r0 = item * j->per_item, r1 = r0 + j->per_item < j->T ? r0 + j->per_item : j->T;
-#ifdef HAVE_AVX2_CLONE
-        if (use_avx2()) {
-            rows_avx2(j, r0, r1);
-            continue;
-        }
-#endif
-        rows_base(j, r0, r1);
-    }
-    return NULL;
-}
-
-#define MIN_ITEM_ELEMS 16384  /* a thread's work item: at least this many outputs (whole rows) */
+static void rows_base(const void *job, int64_t r0, int64_t r1) { ROWS_BODY }
 
 /* Returns 0, or 1 when the arguments are inconsistent (nothing written). */
 int moecc_rope(const void *x, int64_t xs_t, int64_t xs_h, int64_t T, int64_t heads, int64_t D, const void *cos,
                const void *sin, int64_t ts, void *out, int dtype, int nthreads) {
     if ((dtype != DT_F32 && dtype != DT_BF16) || T < 0 || heads < 0 || D < 0 || D % 2 || ts < D) return 1;
     if (T == 0 || heads == 0 || D == 0) return 0;
-    Job j = {x, xs_t, xs_h, cos, sin, ts, out, T, heads, D, dtype, 0, 0, 0};
-    const int64_t row = heads * D;
-    j.per_item = row >= MIN_ITEM_ELEMS ? 1 : (MIN_ITEM_ELEMS + row - 1) / row;
-    j.items = (T + j.per_item - 1) / j.per_item;
-    run_threads(worker, &j, nthreads, j.items);
+    Job j = {x, xs_t, xs_h, cos, sin, ts, out, T, heads, D, dtype};
+    run_row_items(&j, rows_avx2, rows_base, T, heads * D, nthreads);
     return 0;
 }
 

@@ -361,8 +361,8 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, down
     if gu is not None:
         both = linear(x, gu)  # [T, 2I]
         n = gate.split if up is None else gate.shape[0]
-        h = both.new_empty((both.shape[0], n)) if ACTIVATIONS[act] is F.silu else None  # [T, I]
-        if h is None or not expert_rows.silu_mul(both, n, h):  # one pass on the host (bf16), same bits
+        h = expert_rows.silu_mul(both, n) if ACTIVATIONS[act] is F.silu else None  # [T, I]: one host pass, same bits
+        if h is None:
             h = ACTIVATIONS[act](both[:, :n])  # [T, I]
             h.mul_(both[:, n:])
         return linear(h, down)
