@@ -72,12 +72,7 @@ static inline __attribute__((always_inline)) void scale_add_row(const Job *j, in
         else scale_add_row(j, r);                                 \
     }
 
-#ifdef HAVE_AVX2_CLONE
-__attribute__((target("avx2,fma"))) static void rows_avx2(const void *job, int64_t r0, int64_t r1) { ROWS_BODY }
-#else
-#define rows_avx2 NULL
-#endif
-static void rows_base(const void *job, int64_t r0, int64_t r1) { ROWS_BODY }
+ROW_ITEMS_BUILDS(ROWS_BODY)
 
 /* bf16 only. Returns 0, or 1 when the arguments are inconsistent (nothing written). */
 int moecc_silu_mul(const void *gu, int64_t ldg, int64_t R, int64_t I, void *h, int64_t ldh, const float *lut,

@@ -72,12 +72,7 @@ static inline __attribute__((always_inline)) void rope_row_f32(const Job *j, int
         else rope_row_f32(j, t);                                    \
     }
 
-#ifdef HAVE_AVX2_CLONE
-__attribute__((target("avx2,fma"))) static void rows_avx2(const void *job, int64_t r0, int64_t r1) { ROWS_BODY }
-#else
-#define rows_avx2 NULL
-#endif
-static void rows_base(const void *job, int64_t r0, int64_t r1) { ROWS_BODY }
+ROW_ITEMS_BUILDS(ROWS_BODY)
 
 /* Returns 0, or 1 when the arguments are inconsistent (nothing written). */
 int moecc_rope(const void *x, int64_t xs_t, int64_t xs_h, int64_t T, int64_t heads, int64_t D, const void *cos,

@@ -29,6 +29,19 @@ static void *row_items_worker(void *arg) {
     return NULL;
 }
 
+/* The two builds run_row_items picks between, `static void rows_avx2 / rows_base(const void *job,
+ * int64_t r0, int64_t r1)`, from one BODY that sees job, r0 and r1 (rows_avx2 a null rows_fn
+ * where this compiler makes no AVX2 clone). */
+#ifdef HAVE_AVX2_CLONE
+#define ROW_ITEMS_BUILDS(BODY)                                                                                  \
+    __attribute__((target("avx2,fma"))) static void rows_avx2(const void *job, int64_t r0, int64_t r1) { BODY } \
+    static void rows_base(const void *job, int64_t r0, int64_t r1) { BODY }
+#else
+#define ROW_ITEMS_BUILDS(BODY)                                                                                  \
+    static const rows_fn rows_avx2 = NULL;                                                                      \
+    static void rows_base(const void *job, int64_t r0, int64_t r1) { BODY }
+#endif
+
 /* fn(job, r0, r1) over rows [0, R) of `row_elems` outputs each, on `nthreads` threads; returns
  * when all rows are done. */
 static void run_row_items(const void *job, rows_fn avx2, rows_fn base, int64_t R, int64_t row_elems, int nthreads) {
