@@ -35,7 +35,10 @@ import moecc_runtime.native as native
 assert native.available(), "the wheel carries no host attention kernel (moecc_runtime.native._paged_attention)"
 assert native.sampling_available(), "the wheel carries no sampler host pass (moecc_runtime.native._sample_rows)"
 assert native.dequant_rows() is not None, "the wheel carries no host dequantize (moecc_runtime.native._dequant)"
-print("check_install: host attention kernel, sampler pass and dequantize built into the wheel")
+from moecc_runtime.native import expert_rows, rope
+assert expert_rows._module() is not None, "the wheel carries no expert passes (moecc_runtime.native._expert_rows)"
+assert rope._module() is not None, "the wheel carries no host rope (moecc_runtime.native._rope)"
+print("check_install: host attention kernel, sampler pass, dequantize, expert passes and rope built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"
 "$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt
