@@ -92,6 +92,12 @@ class PackedLinear:
         y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, bias, "none", [], "")  # [rows, out]
         return y[:m].view(*x.shape[:-1], self.out_features)
 
+    @staticmethod
+    def rows_for(m: int) -> int:
+        """The rows a GEMM of `m` rows runs at (`bucket_rows`): an input of that many rows is
+        taken as it is, with no padded copy (kernels.experts gathers straight into one)."""
+        return bucket_rows(m)
+
     @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * self.dtype.itemsize

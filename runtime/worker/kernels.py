@@ -381,6 +381,21 @@ def clamped_swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: tor
     return ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ down + down_bias
 
 
+def _gather_rows(x: torch.Tensor, tok: torch.Tensor, w: tuple) -> torch.Tensor:
+    """x's rows `tok` for an expert whose weights `w` are GEMM-packed (their `rows_for`: the rows
+    their GEMMs run at) gathered straight into that many rows, the rest zero, so neither GEMM
+    copies its input to pad it (each output row depends on its own input row alone); else as
+    they are. index_select: 2-4x x[tok]'s gather on a CPU. x: [T, H]  tok: [c] -> [>= c, H]"""
+    rows_for = getattr(w[0], "rows_for", None)
+    rows = rows_for(tok.shape[0]) if rows_for is not None else tok.shape[0]
+    if rows == tok.shape[0]:
+        return x.index_select(0, tok)
+    buf = x.new_empty((rows, x.shape[1]))  # [rows, H]
+    torch.index_select(x, 0, tok, out=buf[:tok.shape[0]])
+    buf[tok.shape[0]:].zero_()
+    return buf
+
+
 #: An expert's MLP over its rows: (x [c, H], the expert's weights in `expert_parts` order) -> [c, H]
 ExpertMLP = Callable[[torch.Tensor, tuple], torch.Tensor]
 
@@ -441,7 +456,7 @@ def experts(
             for s in range(0, count, chunk):
                 sl = slots[s:s + chunk]
                 tok = sl // k  # [c] token of each slot
-                y = mlp(x.index_select(0, tok), w)  # [c, H] (index_select: 2-4x x[tok]'s gather on a CPU)
+                y = mlp(_gather_rows(x, tok, w), w)[:tok.shape[0]]  # [c, H]
                 if not expert_rows.scale_add_rows(out, tok, y, flat_w[sl]):  # one pass on the host, same bits
                     y.mul_(flat_w[sl, None])
                     out.index_add_(0, tok, y.to(out.dtype))

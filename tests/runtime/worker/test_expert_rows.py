@@ -1,7 +1,8 @@
 """The native element-wise passes around an expert's GEMMs (runtime/native/expert_rows.c) give
 torch's passes' bits: silu_mul (bf16) that of F.silu(g) * u, scale_add_rows (fp32, bf16) that
 of y.mul_(w[:, None]); out.index_add_(0, rows, y); where they do not apply they do nothing and
-say so (allocating nothing); and kernels.experts / gated_mlp give the same bits with and without them.
+say so (allocating nothing); and kernels.experts / gated_mlp give the same bits with and without them,
+and with packed experts gathered straight into their GEMMs' padded rows.
 
 Legend: R = rows, I = intermediate size, H = hidden size, T = tokens, n = routed rows."""
 
@@ -96,3 +97,35 @@ def test_experts_same_bits_without_the_native_passes(monkeypatch, dtype) -> None
     native = run()
     monkeypatch.setattr(expert_rows, "_module", lambda: None)
     assert torch.equal(native, run())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_gather_into_their_gemm_rows(monkeypatch, dtype) -> None:
+    """Packed experts' rows are gathered straight into the rows their GEMMs run at (the rest
+    zero, so no GEMM pads a copy): the same bits as gathering the rows alone."""
+    from moecc_runtime.memory.packed_weights import PackedLinear, packing_available
+
+    if not packing_available():
+        pytest.skip("oneDNN's packed linear is not in this torch build")
+    g = torch.Generator().manual_seed(4)
+    T, H, I, E, k = 90, 32, 48, 4, 2  # 45 rows an expert on average: padded to 48
+    bank = []
+    for _ in range(E):
+        gu = (torch.randn(2 * I, H, generator=g) * 0.3).to(dtype)  # [2I, H]
+        down = (torch.randn(H, I, generator=g) * 0.3).to(dtype)  # [H, I]
+        bank.append((PackedLinear(gu, 64, split=I, sections=(I, I)), None, PackedLinear(down, 64)))
+    x = torch.randn(T, H, generator=g).to(dtype)
+    top_w, top_i = torch.topk(torch.randn(T, E, generator=g).softmax(-1), k)  # [T, k]
+    seen: list[int] = []
+    gather = kernels._gather_rows
+
+    def spy(x, tok, w):
+        rows = gather(x, tok, w)
+        seen.append(rows.shape[0] - tok.shape[0])
+        return rows
+
+    monkeypatch.setattr(kernels, "_gather_rows", spy)
+    padded = kernels.experts(x, top_w, top_i, lambda used: (bank[e] for e in used), E, "silu", 64)[0]
+    assert any(seen), "no expert's rows were padded: the case does not test the padding"
+    monkeypatch.setattr(kernels, "_gather_rows", lambda x, tok, w: x.index_select(0, tok))
+    assert torch.equal(padded, kernels.experts(x, top_w, top_i, lambda used: (bank[e] for e in used), E, "silu", 64)[0])

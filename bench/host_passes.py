@@ -1,0 +1,153 @@
+"""The host's element-wise passes against torch's own, measured in one run: the experts' silu and
+product and weighted sum (runtime/native/expert_rows.c), the rotary embedding (rope.c), and a
+layer of packed experts (kernels.experts) with its rows gathered straight into the GEMMs' padded
+row count against gathered alone. Every pair is checked bit-equal before it is timed; the two
+sides run interleaved, and the table gives medians and their ratio.
+
+    python bench/host_passes.py [--rows 128,2048] [--tokens 96,512,8192] [--repeats 7] [--json PATH]
+
+Shapes are bench768's (hidden 768, intermediate 1,152, 8 experts top-2, 8 query and 2 KV heads
+of 96), bf16 unless a row says fp32. Writes bench/out/host_passes.json unless --json says where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from moecc_runtime.memory.packed_weights import PackedLinear
+from moecc_runtime.native import expert_rows, rope
+from moecc_runtime.worker import kernels
+
+H, I, E, K, HQ, HKV, D = 768, 1152, 8, 2, 8, 2, 96
+
+
+def timed_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Medians (ms) of a and b, each call of one timed right after one of the other."""
+    ta, tb = [], []
+    for f in (a, b):
+        f()
+    for _ in range(repeats):
+        for f, acc in ((a, ta), (b, tb)):
+            t = time.perf_counter()
+            f()
+            acc.append((time.perf_counter() - t) * 1e3)
+    return sorted(ta)[repeats // 2], sorted(tb)[repeats // 2]
+
+
+def silu_rows(rows: int, repeats: int) -> dict[str, Any]:
+    gu = torch.randn(rows, 2 * I).to(torch.bfloat16)  # [R, 2I]
+
+    def torch_pass() -> torch.Tensor:
+        h = F.silu(gu[:, :I])
+        return h.mul_(gu[:, I:])
+
+    assert torch.equal(expert_rows.silu_mul(gu, I), torch_pass())
+    native, ref = timed_pair(lambda: expert_rows.silu_mul(gu, I), torch_pass, repeats)
+    return {"pass": "silu * up", "shape": f"[{rows}, {2 * I}] bf16", "native_ms": native, "torch_ms": ref}
+
+
+def weighted_sum_rows(rows: int, repeats: int) -> dict[str, Any]:
+    T = max(rows * 4, 512)
+    out = torch.zeros(T, H, dtype=torch.bfloat16)  # [T, H]
+    tok = torch.randperm(T)[:rows]  # [n]
+    y, w = torch.randn(rows, H).to(torch.bfloat16), torch.rand(rows)  # [n, H], [n]
+
+    def torch_pass() -> None:
+        yy = y.clone()  # torch's pass scales y in place
+        yy.mul_(w[:, None])
+        out.index_add_(0, tok, yy)
+
+    a, b = torch.zeros_like(out), torch.zeros_like(out)
+    expert_rows.scale_add_rows(a, tok, y, w)
+    yy = y.clone()
+    yy.mul_(w[:, None])
+    b.index_add_(0, tok, yy)
+    assert torch.equal(a, b)
+    native, ref = timed_pair(lambda: expert_rows.scale_add_rows(out, tok, y, w), torch_pass, repeats)
+    return {"pass": "weighted rows into the output", "shape": f"[{rows}, {H}] bf16", "native_ms": native,
+            "torch_ms": ref}
+
+
+def rope_rows(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+    qkv = torch.randn(rows, (HQ + 2 * HKV) * D).to(dtype)  # [T, (Hq + 2 Hkv) D]: a packed GEMM's output
+    x = qkv.as_strided((rows, HQ + HKV, D), (qkv.stride(0), D, 1))  # [T, Hq + Hkv, D]: q and k
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    table = kernels.rope_table(torch.arange(rows), inv, 1.0, dtype)  # [T, 2D]
+    cos, sin = table[:, :D], table[:, D:]
+    native_pass = lambda: rope.rope(x, cos, sin)  # noqa: E731
+
+    def torch_pass() -> torch.Tensor:
+        module = rope._module
+        rope._module = lambda: None  # apply_rope's own torch passes
+        try:
+            return kernels.apply_rope(x, cos, sin)
+        finally:
+            rope._module = module
+
+    assert torch.equal(native_pass(), torch_pass())
+    native, ref = timed_pair(native_pass, torch_pass, repeats)
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return {"pass": "rotary embedding", "shape": f"[{rows}, {HQ + HKV}, {D}] {name}", "native_ms": native,
+            "torch_ms": ref}
+
+
+def experts_layer(tokens: int, repeats: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    bank = []
+    for _ in range(E):
+        gu = (torch.randn(2 * I, H, generator=g) * 0.02).to(torch.bfloat16)
+        down = (torch.randn(H, I, generator=g) * 0.02).to(torch.bfloat16)
+        bank.append((PackedLinear(gu, tokens, split=I, sections=(I, I)), None, PackedLinear(down, tokens)))
+    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
+    top_w, top_i = torch.topk(torch.randn(tokens, E, generator=g).softmax(-1), K)  # [T, k]
+    padded = kernels._gather_rows
+
+    def run(gather: Callable[..., torch.Tensor]) -> torch.Tensor:
+        kernels._gather_rows = gather
+        try:
+            return kernels.experts(x, top_w, top_i, lambda used: (bank[e] for e in used), E, "silu", 4096)[0]
+        finally:
+            kernels._gather_rows = padded
+
+    alone = lambda x, tok, w: x.index_select(0, tok)  # noqa: E731
+    assert torch.equal(run(padded), run(alone))
+    native, ref = timed_pair(lambda: run(padded), lambda: run(alone), repeats)
+    return {"pass": "a layer of packed experts, rows gathered into the GEMMs' padded rows",
+            "shape": f"{tokens} tokens, {E} experts top-{K}", "native_ms": native, "torch_ms": ref}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="128,2048", help="rows of an expert (silu, weighted sum)")
+    ap.add_argument("--tokens", default="96,512,8192", help="a step's tokens (rope, a layer of experts)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", type=Path, default=Path("bench/out/host_passes.json"))
+    a = ap.parse_args(argv)
+    if expert_rows._module() is None or rope._module() is None:
+        raise SystemExit("host_passes: the native passes were not built (pip install the project with a C compiler)")
+    rows = [int(r) for r in a.rows.split(",")]
+    tokens = [int(t) for t in a.tokens.split(",")]
+    table = [f(r, a.repeats) for r in rows for f in (silu_rows, weighted_sum_rows)]
+    table += [rope_rows(t, dt, a.repeats) for t in tokens for dt in (torch.bfloat16, torch.float32)]
+    table += [experts_layer(t, a.repeats) for t in tokens]
+    print(f"{'pass':<70} {'shape':<30} {'new ms':>8} {'before ms':>9} {'x':>6}")
+    for r in table:
+        r["speedup"] = r["torch_ms"] / r["native_ms"]
+        print(f"{r['pass']:<70} {r['shape']:<30} {r['native_ms']:8.3f} {r['torch_ms']:9.3f} {r['speedup']:6.2f}")
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                  "threads": torch.get_num_threads(), "repeats": a.repeats, "rows": table}, indent=1))
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
