@@ -83,20 +83,20 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] -> [..., out]; rows padded with zeros up to `bucket_rows` (see there)
         m = x.numel() // self.in_features if self.in_features else 0
-        rows = bucket_rows(m)
-        if rows == m:
+        if bucket_rows(m) == m:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        padded = x.new_empty((rows, self.in_features))  # [rows, in]
+        padded = self.input_rows(m, x)  # [rows, in]
         padded[:m] = x.reshape(m, self.in_features)
-        padded[m:].zero_()
         y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, bias, "none", [], "")  # [rows, out]
         return y[:m].view(*x.shape[:-1], self.out_features)
 
-    @staticmethod
-    def rows_for(m: int) -> int:
-        """The rows a GEMM of `m` rows runs at (`bucket_rows`): an input of that many rows is
-        taken as it is, with no padded copy (kernels.experts gathers straight into one)."""
-        return bucket_rows(m)
+    def input_rows(self, m: int, like: torch.Tensor) -> torch.Tensor:
+        """An input for `m` rows as this GEMM runs it: [bucket_rows(m), in] of `like`'s dtype and
+        device, the rows past `m` zero; the caller writes rows [0, m) (kernels.experts gathers
+        straight into them), and the GEMM takes it without a padded copy."""
+        buf = like.new_empty((bucket_rows(m), self.in_features))  # [rows, in]
+        buf[m:].zero_()
+        return buf
 
     @property
     def nbytes(self) -> int:

@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import os
 from functools import lru_cache
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -34,7 +35,8 @@ _ARGTYPES = [_PTR, _I64, _I64, _INT,  # q, row and head strides, q dtype
              _PTR, _I64, _PTR, _PTR, _PTR, _PTR,  # rows, nrows, tables, table_off, ctx, lo
              _PTR, _F32,  # sinks, scale
              _PTR, _I64, _I64, _INT, _INT]  # out, row and head strides, out dtype, threads
-KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+#: the native kernels' dtype codes (cpu.h's 0 fp32, 1 bf16); the pool dtypes attention reads
+DTYPE_CODES = KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 _DRAW_ARGTYPES = [_PTR, _I64, _I64, _PTR, _I64,  # x, V, row stride, rows, R
@@ -65,9 +67,19 @@ def dequant_rows() -> Callable[..., int] | None:
     """dequant.c's entry as a Python function (`_dequant.dequant_rows`, moecc_dequant_rows's
     arguments with pointers as ints or None: no ctypes conversions), or None when it was not built
     (or MOECC_NO_NATIVE is set)."""
-    if dequant_library() is None:
+    mod = extension("_dequant", "moecc_dequant_rows")
+    return None if mod is None else mod.dequant_rows
+
+
+@lru_cache(maxsize=None)
+def extension(module: str, symbol: str) -> ModuleType | None:
+    """The built extension `moecc_runtime.native.<module>` imported as a module (its METH_FASTCALL
+    entries take pointers as ints: no ctypes conversions), loaded first through `_load` (so its C
+    `symbol` is typed and torch's OpenMP team handed over); None when it was not built (or
+    MOECC_NO_NATIVE is set)."""
+    if _load(module, symbol) is None:
         return None
-    return importlib.import_module("moecc_runtime.native._dequant").dequant_rows
+    return importlib.import_module(f"moecc_runtime.native.{module}")
 
 
 @lru_cache(maxsize=None)

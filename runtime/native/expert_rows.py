@@ -8,23 +8,17 @@ it does not take); the caller then runs torch's passes.
 
 from __future__ import annotations
 
-import importlib
 from functools import lru_cache
 from typing import Any
 
 import torch
 
-from moecc_runtime.native import _load
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from moecc_runtime.native import DTYPE_CODES, extension
 
 
-@lru_cache(maxsize=None)
 def _module() -> Any:
-    """The extension, with torch's OpenMP team handed over (through _load); None: not built."""
-    if _load("_expert_rows", "moecc_silu_mul") is None:
-        return None
-    return importlib.import_module("moecc_runtime.native._expert_rows")
+    """The extension (native.extension); None: not built."""
+    return extension("_expert_rows", "moecc_silu_mul")
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -59,7 +53,7 @@ def scale_add_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, w: to
     out: [T, H]  rows: [n] int64, distinct  y: [n, H], out's dtype  w: [n] fp32 or y's dtype.
     False: not done (see the module docstring); y is never written."""
     mod = _module()
-    if (mod is None or out.dtype not in _DTYPES or y.dtype != out.dtype or not (_rows(out) and _rows(y))
+    if (mod is None or out.dtype not in DTYPE_CODES or y.dtype != out.dtype or not (_rows(out) and _rows(y))
             or rows.dtype != torch.int64 or w.dtype not in (torch.float32, y.dtype)):
         return False
     n = rows.shape[0]
@@ -68,5 +62,5 @@ def scale_add_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, w: to
                          f"w {tuple(w.shape)}")
     rows, wf = rows.contiguous(), w.to(torch.float32).contiguous()  # a bf16 weight widens exactly
     rc = mod.scale_add_rows(out.data_ptr(), out.stride(0), rows.data_ptr(), n, y.data_ptr(), y.stride(0),
-                            wf.data_ptr(), out.shape[1], _DTYPES[out.dtype], torch.get_num_threads())
+                            wf.data_ptr(), out.shape[1], DTYPE_CODES[out.dtype], torch.get_num_threads())
     return rc == 0

@@ -6,23 +6,16 @@ of one dtype, strides it does not take); the caller then runs torch's passes.
 
 from __future__ import annotations
 
-import importlib
-from functools import lru_cache
 from typing import Any
 
 import torch
 
-from moecc_runtime.native import _load
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from moecc_runtime.native import DTYPE_CODES, extension
 
 
-@lru_cache(maxsize=None)
 def _module() -> Any:
-    """The extension, with torch's OpenMP team handed over (through _load); None: not built."""
-    if _load("_rope", "moecc_rope") is None:
-        return None
-    return importlib.import_module("moecc_runtime.native._rope")
+    """The extension (native.extension); None: not built."""
+    return extension("_rope", "moecc_rope")
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -30,7 +23,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     x: [T, heads, D] (any row and head strides, the last contiguous)  cos/sin: [T, D], one row
     stride -> [T, heads, D] contiguous, or None (not done)."""
     mod = _module()
-    if (mod is None or x.device.type != "cpu" or x.dtype not in _DTYPES or cos.dtype != x.dtype
+    if (mod is None or x.device.type != "cpu" or x.dtype not in DTYPE_CODES or cos.dtype != x.dtype
             or sin.dtype != x.dtype or x.dim() != 3 or x.stride(2) != 1 or cos.stride(1) != 1
             or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0) or cos.device.type != "cpu"):
         return None
@@ -39,5 +32,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
         raise ValueError(f"rope: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     out = torch.empty((T, heads, D), dtype=x.dtype)  # [T, heads, D]
     rc = mod.rope(x.data_ptr(), x.stride(0), x.stride(1), T, heads, D, cos.data_ptr(), sin.data_ptr(),
-                  cos.stride(0), out.data_ptr(), _DTYPES[x.dtype], torch.get_num_threads())
+                  cos.stride(0), out.data_ptr(), DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out if rc == 0 else None

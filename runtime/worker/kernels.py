@@ -382,17 +382,15 @@ def clamped_swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: tor
 
 
 def _gather_rows(x: torch.Tensor, tok: torch.Tensor, w: tuple) -> torch.Tensor:
-    """x's rows `tok` for an expert whose weights `w` are GEMM-packed (their `rows_for`: the rows
-    their GEMMs run at) gathered straight into that many rows, the rest zero, so neither GEMM
-    copies its input to pad it (each output row depends on its own input row alone); else as
-    they are. index_select: 2-4x x[tok]'s gather on a CPU. x: [T, H]  tok: [c] -> [>= c, H]"""
-    rows_for = getattr(w[0], "rows_for", None)
-    rows = rows_for(tok.shape[0]) if rows_for is not None else tok.shape[0]
-    if rows == tok.shape[0]:
+    """x's rows `tok`; for an expert whose first weight is GEMM-packed, gathered straight into
+    the input its GEMM runs (`input_rows`: padded with zero rows), so neither GEMM copies its
+    input to pad it (each output row depends on its own input row alone). index_select: 2-4x
+    x[tok]'s gather on a CPU. x: [T, H]  tok: [c] -> [>= c, H]"""
+    input_rows = getattr(w[0], "input_rows", None)
+    if input_rows is None:
         return x.index_select(0, tok)
-    buf = x.new_empty((rows, x.shape[1]))  # [rows, H]
+    buf = input_rows(tok.shape[0], x)  # [rows, H]
     torch.index_select(x, 0, tok, out=buf[:tok.shape[0]])
-    buf[tok.shape[0]:].zero_()
     return buf
 
 
