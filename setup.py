@@ -39,9 +39,9 @@ def native(name: str, contract: str = "fast") -> Extension:
 
 
 # runtime/native/dequant.c: the formats' host dequantize; expert_rows.c: the element-wise passes
-# around an expert's GEMMs; rope.c: rotary embedding. The last two are built without fused
-# multiply-adds: they round as torch's passes do.
+# around an expert's GEMMs; rope.c: rotary embedding; rmsnorm.c: the norm. The last three are
+# built without fused multiply-adds: they round as torch's passes do.
 setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
       ext_modules=[native("_paged_attention"), native("_sample_rows"),
                    native("_dequant"), native("_expert_rows", contract="off"),
-                   native("_rope", contract="off")])
+                   native("_rope", contract="off"), native("_rmsnorm", contract="off")])

@@ -35,10 +35,11 @@ import moecc_runtime.native as native
 assert native.available(), "the wheel carries no host attention kernel (moecc_runtime.native._paged_attention)"
 assert native.sampling_available(), "the wheel carries no sampler host pass (moecc_runtime.native._sample_rows)"
 assert native.dequant_rows() is not None, "the wheel carries no host dequantize (moecc_runtime.native._dequant)"
-from moecc_runtime.native import expert_rows, rope
+from moecc_runtime.native import expert_rows, rmsnorm, rope
 assert expert_rows._module() is not None, "the wheel carries no expert passes (moecc_runtime.native._expert_rows)"
 assert rope._module() is not None, "the wheel carries no host rope (moecc_runtime.native._rope)"
-print("check_install: host attention kernel, sampler pass, dequantize, expert passes and rope built into the wheel")
+assert rmsnorm.sum_lanes() is not None, "the wheel's host rmsnorm is missing or disagrees with torch's (moecc_runtime.native._rmsnorm)"
+print("check_install: host attention kernel, sampler pass, dequantize, expert passes, rope and rmsnorm built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"
 "$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt

@@ -1,5 +1,6 @@
 """The host's element-wise passes against torch's own, measured in one run: the experts' silu and
-product and weighted sum (runtime/native/expert_rows.c), the rotary embedding (rope.c), and a
+product and weighted sum (runtime/native/expert_rows.c), the rotary embedding (rope.c), the
+RMSNorm against kernels' NORM_ROWS-chunked torch passes (rmsnorm.c), and a
 layer of packed experts (kernels.experts) with its rows gathered straight into the GEMMs' padded
 row count against gathered alone. Every pair is checked bit-equal before it is timed; the two
 sides run interleaved, and the table gives medians and their ratio.
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from moecc_runtime.memory.packed_weights import PackedLinear
-from moecc_runtime.native import expert_rows, rope
+from moecc_runtime.native import expert_rows, rmsnorm, rope
 from moecc_runtime.worker import kernels
 
 H, I, E, K, HQ, HKV, D = 768, 1152, 8, 2, 8, 2, 96
@@ -99,6 +100,25 @@ def rope_rows(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
             "torch_ms": ref}
 
 
+def norm_rows(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+    x = torch.randn(rows, H).to(dtype)  # [T, H]
+    w = torch.randn(H).to(dtype)  # [H]
+    native_pass = lambda: rmsnorm.rmsnorm(x, w, 1e-5)  # noqa: E731
+
+    def torch_pass() -> torch.Tensor:
+        module = rmsnorm._module
+        rmsnorm._module = lambda: None  # kernels.rmsnorm's own torch passes, NORM_ROWS rows at a time
+        try:
+            return kernels.rmsnorm(x, w, 1e-5)
+        finally:
+            rmsnorm._module = module
+
+    assert torch.equal(native_pass(), torch_pass())
+    native, ref = timed_pair(native_pass, torch_pass, repeats)
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return {"pass": "RMSNorm", "shape": f"[{rows}, {H}] {name}", "native_ms": native, "torch_ms": ref}
+
+
 def experts_layer(tokens: int, repeats: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     bank = []
@@ -127,16 +147,17 @@ def experts_layer(tokens: int, repeats: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="128,2048", help="rows of an expert (silu, weighted sum)")
-    ap.add_argument("--tokens", default="96,512,8192", help="a step's tokens (rope, a layer of experts)")
+    ap.add_argument("--tokens", default="96,512,8192", help="a step's tokens (rope, norm, a layer of experts)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, default=Path("bench/out/host_passes.json"))
     a = ap.parse_args(argv)
-    if expert_rows._module() is None or rope._module() is None:
+    if expert_rows._module() is None or rope._module() is None or rmsnorm.sum_lanes() is None:
         raise SystemExit("host_passes: the native passes were not built (pip install the project with a C compiler)")
     rows = [int(r) for r in a.rows.split(",")]
     tokens = [int(t) for t in a.tokens.split(",")]
     table = [f(r, a.repeats) for r in rows for f in (silu_rows, weighted_sum_rows)]
     table += [rope_rows(t, dt, a.repeats) for t in tokens for dt in (torch.bfloat16, torch.float32)]
+    table += [norm_rows(t, dt, a.repeats) for t in tokens for dt in (torch.bfloat16, torch.float32)]
     table += [experts_layer(t, a.repeats) for t in tokens]
     print(f"{'pass':<70} {'shape':<30} {'new ms':>8} {'before ms':>9} {'x':>6}")
     for r in table:

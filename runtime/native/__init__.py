@@ -54,6 +54,8 @@ _DEQUANT_ARGTYPES = [_PTR, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR,
 _SILU_MUL_ARGTYPES = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT]
 #: rope.c: x, row and head strides, T, heads, D, cos, sin, their row stride, out, dtype, threads
 _ROPE_ARGTYPES = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT]
+# moecc_rmsnorm(x, row stride, R, H, w, eps, out, dtype, lanes, nthreads)
+_RMSNORM_ARGTYPES = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR, _INT, _INT, _INT]
 
 
 def dequant_library() -> ctypes.CDLL | None:
@@ -93,7 +95,8 @@ def _load(module: str, symbol: str) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     fn = getattr(lib, symbol)
     fn.argtypes = {"moecc_paged_attention": _ARGTYPES, "moecc_dequant_rows": _DEQUANT_ARGTYPES,
-                   "moecc_silu_mul": _SILU_MUL_ARGTYPES, "moecc_rope": _ROPE_ARGTYPES}.get(symbol, _DRAW_ARGTYPES)
+                   "moecc_silu_mul": _SILU_MUL_ARGTYPES, "moecc_rope": _ROPE_ARGTYPES,
+                   "moecc_rmsnorm": _RMSNORM_ARGTYPES}.get(symbol, _DRAW_ARGTYPES)
     fn.restype = ctypes.c_int
     if module == "_paged_attention":
         isa.configure(lib)  # MOECC_NATIVE_ISA

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from moecc_runtime.contract.activations import ACTIVATIONS
 from moecc_runtime.native import expert_rows
 from moecc_runtime.native import rope as native_rope
+from moecc_runtime.native import rmsnorm as native_rmsnorm
 from moecc_runtime.syncs import to_list
 
 
@@ -32,9 +33,13 @@ NORM_WIDE_H = 1024
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: in fp32, rounded to x's dtype, times w. On a CPU, NORM_ROWS rows
-    at a time, with the same bits (each row's reduction is its own).
+    """transformers' RMSNorm: in fp32, rounded to x's dtype, times w. On a CPU, one native pass
+    over each row where it applies (native/rmsnorm.py), else NORM_ROWS rows at a time; both with
+    the same bits (each row's reduction is its own).
     x: [T, ..., H]  w: [H] -> [T, ..., H]"""
+    out = native_rmsnorm.rmsnorm(x, w, eps) if x.device.type == "cpu" else None
+    if out is not None:
+        return out
     T = x.shape[0] if x.dim() > 1 else 0
     rows = NORM_ROWS * (2 if x.numel() <= T * NORM_WIDE_H else 1)
     if x.device.type != "cpu" or T <= rows:

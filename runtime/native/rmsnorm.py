@@ -1,0 +1,80 @@
+"""transformers' RMSNorm on the host in one pass over each row (rmsnorm.c,
+`moecc_runtime.native._rmsnorm`), with kernels._rmsnorm's bits. `rmsnorm` returns None, having
+done nothing, where it does not apply (not built, MOECC_NO_NATIVE, a GPU tensor, a dtype other
+than fp32 / bf16, x and w not of one dtype, rows wider than the pass takes, torch's CPU kernels
+whose sum adds in an order the pass does not know: `sum_lanes`); the caller then runs torch's
+passes.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from moecc_runtime.native import DTYPE_CODES, extension
+
+MAX_WIDTH = 16384  # rmsnorm.c's SCRATCH_H; rows of up to this many elements sum in one pass in torch too
+
+
+def _module() -> Any:
+    """The extension (native.extension); None: not built."""
+    return extension("_rmsnorm", "moecc_rmsnorm")
+
+
+#: widths whose rows the calibration checks: narrower than a vector, a cascade level, odd tails
+_CHECK_WIDTHS = (7, 40, 777, 2085)
+
+
+@lru_cache(maxsize=None)
+def sum_lanes() -> int | None:
+    """The vector width (fp32 lanes) of torch's CPU inner sum here, whose order the pass
+    follows: the width (8 or 16) at which the pass gives torch's own bits on rows of
+    _CHECK_WIDTHS (fp32 and bf16, one-time, a few ms); None when neither does (a torch whose sum
+    the pass does not know: the norm stays on torch)."""
+    mod = _module()
+    if mod is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    for lanes in (8, 16):
+        if all(_agrees(mod, lanes, H, dtype, gen) for H in _CHECK_WIDTHS for dtype in DTYPE_CODES):
+            return lanes
+    return None
+
+
+def _agrees(mod: Any, lanes: int, H: int, dtype: torch.dtype, gen: torch.Generator) -> bool:
+    """The pass at `lanes` gives torch's bits (the composition below) on 64 random rows of H."""
+    x = (torch.randn(64, H, generator=gen) * 3).to(dtype)  # [64, H]
+    w = torch.randn(H, generator=gen).to(dtype)  # [H]
+    xf = x.float()
+    ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)  # [64, H]
+    out = _run(mod, x, w, 1e-6, lanes)
+    return out is not None and torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                           ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def _run(mod: Any, x: torch.Tensor, w: torch.Tensor, eps: float, lanes: int) -> torch.Tensor | None:
+    """The pass over x's rows at torch's sum width `lanes` (1 for rows narrower than it).
+    x: [..., H] whose rows are contiguous  w: [H] -> [..., H], or None (refused)."""
+    H = x.shape[-1]
+    rows = x if x.dim() == 2 else x.reshape(-1, H)  # [R, H]: a view where x's rows allow one
+    if rows.stride(-1) != 1 and H > 1:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)  # [..., H]
+    rc = mod.rmsnorm(rows.data_ptr(), rows.stride(0), rows.shape[0], H, w.data_ptr(), float(eps),
+                     out.data_ptr(), DTYPE_CODES[x.dtype], lanes if H >= lanes else 1, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype) over the last dimension.
+    x: [..., H] (rows contiguous, any row stride when 2-D)  w: [H], x's dtype -> [..., H]
+    contiguous, or None (not done)."""
+    if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype not in DTYPE_CODES or w.dtype != x.dtype
+            or x.dim() < 1 or w.shape != (x.shape[-1],) or not w.is_contiguous() or x.shape[-1] > MAX_WIDTH):
+        return None
+    mod, lanes = _module(), sum_lanes()
+    if mod is None or lanes is None:
+        return None
+    return _run(mod, x, w, eps, lanes)
