@@ -444,7 +444,8 @@ def experts(
     idx = flat.long()  # itself when int64 (topk's)
     tally = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, idx, torch.ones_like(idx))
     counts = to_list(tally, "route")  # [E]: the layer's one host read
-    flat_w = top_w.reshape(-1)
+    tok_sorted = order // k  # [T*k] the token of each slot, slots grouped by expert
+    w_sorted = top_w.reshape(-1)[order]  # [T*k] its routing weight
     starts = [0] * num_experts
     acc = 0
     for e, count in enumerate(counts):
@@ -455,13 +456,12 @@ def experts(
     try:
         for w, e in zip(weights, used):  # the fetcher first: it sees its own end
             count = counts[e]
-            slots = order[starts[e]:starts[e] + count]  # [c]
-            for s in range(0, count, chunk):
-                sl = slots[s:s + chunk]
-                tok = sl // k  # [c] token of each slot
+            for s in range(starts[e], starts[e] + count, chunk):
+                z = min(s + chunk, starts[e] + count)
+                tok, tw = tok_sorted[s:z], w_sorted[s:z]  # [c] each: the chunk's tokens and weights
                 y = mlp(_gather_rows(x, tok, w), w)[:tok.shape[0]]  # [c, H]
-                if not expert_rows.scale_add_rows(out, tok, y, flat_w[sl]):  # one pass on the host, same bits
-                    y.mul_(flat_w[sl, None])
+                if not expert_rows.scale_add_rows(out, tok, y, tw):  # one pass on the host, same bits
+                    y.mul_(tw[:, None])
                     out.index_add_(0, tok, y.to(out.dtype))
     finally:
         close = getattr(weights, "close", None)
