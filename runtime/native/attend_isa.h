@@ -11,7 +11,7 @@
  *   QK_BF16   (optional, 16 lanes with AVX512-BF16 only) 1: bf16 queries over bf16 keys score
  *             by qk_bf16 (vdpbf16ps); every other build widens bf16 queries and runs qk
  * and this file undefines them again. It needs paged_attention.c's Job, kv_at, exp_sub_sum,
- * CHUNK, prefetch_span, prefetch_item and finish_item. K/V are fp32 or bf16 (`bf`, a constant in each
+ * CHUNK, PfCursor, pf_span, pf_item, pf_step and finish_item. K/V are fp32 or bf16 (`bf`, a constant in each
  * specialization: bf16 lanes are widened in registers, exactly), accumulation always fp32. */
 
 #define ISA_CAT2(a, b) a##_##b
@@ -39,13 +39,14 @@ ISA_INLINE float ISA_FN(hsum)(VF x) {
  * FMAs), and for the G % 4 queries left 1 query x 8 positions, each tile reduced together by
  * VSUM8; D % VW elements in scalar. */
 ISA_INLINE void ISA_FN(qk)(float *s, int ss, const float *q, int64_t qs, int G, const void *k, const int64_t *kat,
-                           int n, int D, float scale, int bf) {
+                           int n, int D, float scale, int bf, PfCursor *pf) {
     const int DV = D - D % VW;
     int g = 0;
     for (; g + 4 <= G; g += 4) {
         const float *qg[4] = {q + g * qs, q + (g + 1) * qs, q + (g + 2) * qs, q + (g + 3) * qs};
         for (int i = 0; i < n; i += 2) {
             const int64_t k0 = kat[i], k1 = i + 1 < n ? kat[i + 1] : k0;  /* odd n: the last twice */
+            pf_step(pf, 2);
             VF a[8] = {0};  /* a[u]: query u . k0, a[4 + u]: query u . k1 */
             for (int d = 0; d < DV; d += VW) {
                 const VF x0 = ISA_FN(kv_ld)(k, k0 + d, bf), x1 = ISA_FN(kv_ld)(k, k1 + d, bf);
@@ -70,6 +71,7 @@ ISA_INLINE void ISA_FN(qk)(float *s, int ss, const float *q, int64_t qs, int G, 
         for (int i = 0; i < n; i += 8) {
             int64_t ki[8];
             for (int u = 0; u < 8; u++) ki[u] = kat[i + u < n ? i + u : n - 1];  /* past n: the last again */
+            pf_step(pf, 4);
             VF a[8] = {0};  /* a[u]: the query . k_{i+u} */
             for (int d = 0; d < DV; d += VW) {
                 const VF y = VLD(qg + d);
@@ -91,13 +93,14 @@ ISA_INLINE void ISA_FN(qk)(float *s, int ss, const float *q, int64_t qs, int G, 
  * not depend on its group), the D % 32 elements left in scalar fp32; only the order of the sums
  * differs from qk's. */
 ISA_INLINE void ISA_FN(qk_bf16)(float *s, int ss, const uint16_t *q, int64_t qs, int G, const uint16_t *k,
-                                const int64_t *kat, int n, int D, float scale) {
+                                const int64_t *kat, int n, int D, float scale, PfCursor *pf) {
     const int DV = D - D % 32;
     int g = 0;
     for (; g + 4 <= G; g += 4) {
         const uint16_t *qg[4] = {q + g * qs, q + (g + 1) * qs, q + (g + 2) * qs, q + (g + 3) * qs};
         for (int i = 0; i < n; i += 2) {
             const int64_t k0 = kat[i], k1 = i + 1 < n ? kat[i + 1] : k0;  /* odd n: the last twice */
+            pf_step(pf, 2);
             __m512 a[8];  /* a[u]: query u . k0, a[4 + u]: query u . k1 */
             for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
             for (int d = 0; d < DV; d += 32) {
@@ -126,6 +129,7 @@ ISA_INLINE void ISA_FN(qk_bf16)(float *s, int ss, const uint16_t *q, int64_t qs,
         for (int i = 0; i < n; i += 8) {
             int64_t ki[8];
             for (int u = 0; u < 8; u++) ki[u] = kat[i + u < n ? i + u : n - 1];  /* past n: the last again */
+            pf_step(pf, 4);
             __m512 a[8];  /* a[u]: the query . k_{i+u} */
             for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
             for (int d = 0; d < DV; d += 32) {
@@ -148,7 +152,7 @@ ISA_INLINE void ISA_FN(qk_bf16)(float *s, int ss, const uint16_t *q, int64_t qs,
  * value i at element vat[i]: their sums in registers while the chunk's values stream past,
  * each load feeding nq FMAs. */
 ISA_INLINE void ISA_FN(pv_tile)(float *acc, int Dv, const float *p, int ss, int g0, int nq, const void *v,
-                                const int64_t *vat, int n, int d0, int NV, int bf) {
+                                const int64_t *vat, int n, int d0, int NV, int bf, PfCursor *pf) {
     VF a[4][PV_NV];
     float *c[4];
     const float *pg[4];
@@ -159,6 +163,7 @@ ISA_INLINE void ISA_FN(pv_tile)(float *acc, int Dv, const float *p, int ss, int 
     for (int i = 0; i < n; i++) {
         VF x[PV_NV];
         for (int w = 0; w < NV; w++) x[w] = ISA_FN(kv_ld)(v, vat[i] + d0 + w * VW, bf);
+        pf_step(pf, 1);
         for (int u = 0; u < nq; u++)
             for (int w = 0; w < NV; w++) a[u][w] += pg[u][i] * x[w];
     }
@@ -169,13 +174,13 @@ ISA_INLINE void ISA_FN(pv_tile)(float *acc, int Dv, const float *p, int ss, int 
 /* pv_tile for 4 queries and the last `nv` (< PV_NV, at most 5) vectors of Dv from d0, each
  * width its own constant (so its sums stay in registers). */
 ISA_INLINE void ISA_FN(pv_rest)(float *acc, int Dv, const float *p, int ss, int g0, const void *v,
-                                const int64_t *vat, int n, int d0, int nv, int bf) {
+                                const int64_t *vat, int n, int d0, int nv, int bf, PfCursor *pf) {
     switch (nv) {
-    case 1: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 1, bf); break;
-    case 2: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 2 < PV_NV ? 2 : 1, bf); break;
-    case 3: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 3 < PV_NV ? 3 : 1, bf); break;
-    case 4: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 4 < PV_NV ? 4 : 1, bf); break;
-    case 5: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 5 < PV_NV ? 5 : 1, bf); break;
+    case 1: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 1, bf, pf); break;
+    case 2: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 2 < PV_NV ? 2 : 1, bf, pf); break;
+    case 3: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 3 < PV_NV ? 3 : 1, bf, pf); break;
+    case 4: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 4 < PV_NV ? 4 : 1, bf, pf); break;
+    case 5: ISA_FN(pv_tile)(acc, Dv, p, ss, g0, 4, v, vat, n, d0, 5 < PV_NV ? 5 : 1, bf, pf); break;
     default: break;
     }
 }
@@ -183,15 +188,15 @@ ISA_INLINE void ISA_FN(pv_rest)(float *acc, int Dv, const float *p, int ss, int 
 /* acc[g] += sum_i p[g * ss + i] * v_i for g < G, value i at element vat[i]: tiles of 4
  * queries x PV_NV vectors, then one tile of the vectors left, then Dv % VW lanes in scalar. */
 ISA_INLINE void ISA_FN(pv)(float *acc, int Dv, const float *p, int ss, int G, const void *v, const int64_t *vat,
-                           int n, int bf) {
+                           int n, int bf, PfCursor *pf) {
     const int DV = Dv - Dv % VW, DT = DV - DV % (PV_NV * VW);
     for (int g = 0; g < G; g += 4) {
         const int nq = G - g < 4 ? G - g : 4;
         if (nq == 4) {
-            for (int d = 0; d < DT; d += PV_NV * VW) ISA_FN(pv_tile)(acc, Dv, p, ss, g, 4, v, vat, n, d, PV_NV, bf);
-            if (DT < DV) ISA_FN(pv_rest)(acc, Dv, p, ss, g, v, vat, n, DT, (DV - DT) / VW, bf);
+            for (int d = 0; d < DT; d += PV_NV * VW) ISA_FN(pv_tile)(acc, Dv, p, ss, g, 4, v, vat, n, d, PV_NV, bf, pf);
+            if (DT < DV) ISA_FN(pv_rest)(acc, Dv, p, ss, g, v, vat, n, DT, (DV - DT) / VW, bf, pf);
         } else {
-            for (int d = 0; d < DV; d += VW) ISA_FN(pv_tile)(acc, Dv, p, ss, g, nq, v, vat, n, d, 1, bf);
+            for (int d = 0; d < DV; d += VW) ISA_FN(pv_tile)(acc, Dv, p, ss, g, nq, v, vat, n, d, 1, bf, pf);
         }
         for (int u = 0; u < nq; u++) {
             float *c = acc + (int64_t)(g + u) * Dv;
@@ -203,13 +208,14 @@ ISA_INLINE void ISA_FN(pv)(float *acc, int Dv, const float *p, int ss, int G, co
 }
 
 /* dst[i, :m] = the bf16 pool row at element at[i] widened (exactly), for i < n. */
-ISA_INLINE void ISA_FN(widen_rows)(float *dst, const void *base, const int64_t *at, int n, int m) {
+ISA_INLINE void ISA_FN(widen_rows)(float *dst, const void *base, const int64_t *at, int n, int m, PfCursor *pf) {
     const int MV = m - m % VW;
     for (int i = 0; i < n; i++) {
         const uint16_t *src = (const uint16_t *)base + at[i];
         float *o = dst + (int64_t)i * m;
         for (int d = 0; d < MV; d += VW) VST(o + d, VLDBF(src + d));
         for (int d = MV; d < m; d++) o[d] = bf16_at(src, d);
+        pf_step(pf, 1);
     }
 }
 
@@ -247,7 +253,8 @@ ISA_INLINE void ISA_FN(softmax_chunk)(float *scores, int ss, int n, const int *n
  * sum per query over the positions before its row's ctx (online softmax), rescaled sums, the
  * values' contributions; the next chunk's blocks are asked for before this one computes (the
  * first chunk's by run_items, an item ahead). scratch: worker's floats. */
-ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, int h, float *scratch, int bf) {
+ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, int h, float *scratch, int bf,
+                                    int64_t next_item) {
     const int G = j->G, GQ = nr * G, D = j->D, Dv = j->Dv, bs = j->bs;
     float *scores = scratch;                    /* [GQ, CHUNK] */
     float *acc = scores + (int64_t)GQ * CHUNK;  /* [GQ, Dv] */
@@ -259,19 +266,22 @@ ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, i
     for (int g = 0; g < GQ; g++) m[g] = -INFINITY, l[g] = 0.f;
     memset(acc, 0, sizeof(float) * (size_t)GQ * Dv);
     const int qbf = QK_BF16 && bf && j->q_dtype == 1;  /* bf16 q over bf16 K: qk_bf16, q packed as it is */
+    PfCursor none = {.n = 0}, pf;  /* pf: the next span's lines, asked for a few at a time by the loops */
     for (int u = 0; u < nr; u++)
         for (int g = 0; g < G; g++) {
             const int64_t at = rows[u] * j->q_row + (int64_t)(h * G + g) * j->q_head, to = (int64_t)(u * G + g) * D;
             if (qbf) memcpy((uint16_t *)qbuf + to, (const uint16_t *)j->q + at, sizeof(uint16_t) * (size_t)D);
             else if (j->q_dtype == 1)
-                ISA_FN(widen_rows)(qbuf + to, j->q, &at, 1, D);  /* exact */
+                ISA_FN(widen_rows)(qbuf + to, j->q, &at, 1, D, &none);  /* exact */
             else memcpy(qbuf + to, (const float *)j->q + at, sizeof(float) * (size_t)D);
         }
     const int64_t c = j->ctx[rows[nr - 1]], lo = j->lo[rows[0]];
     const int64_t *table = j->tables + j->table_off[rows[0]];
     for (int64_t p0 = lo; p0 < c; p0 += CHUNK) {
         const int n = (int)(c - p0 < CHUNK ? c - p0 : CHUNK);
-        if (p0 + n < c) prefetch_span(j, h, table, p0 + n, c < p0 + n + CHUNK ? c : p0 + n + CHUNK);
+        pf.n = pf.i = 0, pf.off = 0;  /* this item's next chunk, then (during its first) the next item's first */
+        if (p0 + n < c) pf_span(&pf, j, h, table, p0 + n, c < p0 + n + CHUNK ? c : p0 + n + CHUNK);
+        if (p0 == lo) pf_item(&pf, j, next_item);
         for (int i = 0; i < n; i++) {
             const int64_t p = p0 + i, blk = table[p / bs], off = p % bs;
             kat[i] = h * j->k_head + blk * j->k_block + off * j->k_pos;
@@ -281,21 +291,22 @@ ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, i
         const int64_t *va = vat;
         int vbf = bf;
         if (bf && BF16_STAGE_V) {
-            ISA_FN(widen_rows)(vbuf, j->v, vat, n, Dv);
+            ISA_FN(widen_rows)(vbuf, j->v, vat, n, Dv, &pf);
             for (int i = 0; i < n; i++) vrow[i] = (int64_t)i * Dv;
             vb = vbuf, va = vrow, vbf = 0;
         }
 #if QK_BF16
-        if (qbf) ISA_FN(qk_bf16)(scores, CHUNK, (const uint16_t *)qbuf, D, GQ, (const uint16_t *)j->k, kat, n, D, j->scale);
+        if (qbf) ISA_FN(qk_bf16)(scores, CHUNK, (const uint16_t *)qbuf, D, GQ, (const uint16_t *)j->k, kat, n, D, j->scale, &pf);
         else
 #endif
-        ISA_FN(qk)(scores, CHUNK, qbuf, D, GQ, j->k, kat, n, D, j->scale, bf);
+        ISA_FN(qk)(scores, CHUNK, qbuf, D, GQ, j->k, kat, n, D, j->scale, bf, &pf);
         for (int u = 0; u < nr; u++) {
             const int64_t cu = j->ctx[rows[u]] - p0;
             for (int g = 0; g < G; g++) nv[u * G + g] = (int)(cu < 0 ? 0 : cu < n ? cu : n);
         }
         ISA_FN(softmax_chunk)(scores, CHUNK, n, nv, GQ, m, l, acc, Dv);
-        ISA_FN(pv)(acc, Dv, scores, CHUNK, GQ, vb, va, n, vbf);
+        ISA_FN(pv)(acc, Dv, scores, CHUNK, GQ, vb, va, n, vbf, &pf);
+        pf_step(&pf, INT_MAX);  /* what the loops left unasked (a short chunk) */
     }
     for (int u = 0; u < nr; u++)
         finish_item(j, rows[u], h, acc + (int64_t)u * G * Dv, m + u * G, l + u * G);
@@ -307,16 +318,19 @@ ISA_ATTR static void ISA_FN(run_items)(Job *j, float *scratch) {
     const int64_t items = j->ngroups * j->Hkv;
     const int bf = j->kv_dtype == 1;
     int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-    if (it < items) prefetch_item(j, it);
+    if (it < items) {  /* the first item's first chunk at once: nothing computes before it */
+        PfCursor first = {.n = 0};
+        pf_item(&first, j, it);
+        pf_step(&first, INT_MAX);
+    }
     while (it < items) {
-        const int64_t after = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (after < items) prefetch_item(j, after);
+        const int64_t after = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);  /* asked for by it's last chunk */
         const int64_t gi = it / j->Hkv;
         const int64_t *rows = j->rows + j->group[gi];
         const int nr = (int)(j->group[gi + 1] - j->group[gi]);
         const int h = (int)(it % j->Hkv);
-        if (bf) ISA_FN(attend_item)(j, rows, nr, h, scratch, 1);
-        else ISA_FN(attend_item)(j, rows, nr, h, scratch, 0);
+        if (bf) ISA_FN(attend_item)(j, rows, nr, h, scratch, 1, after);
+        else ISA_FN(attend_item)(j, rows, nr, h, scratch, 0, after);
         it = after;
     }
 }

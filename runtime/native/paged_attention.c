@@ -31,6 +31,7 @@
  * No Python API: the runtime calls moecc_paged_attention (and the _isa functions) through
  * ctypes (runtime/native).
  */
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -98,30 +99,55 @@ static inline __attribute__((always_inline)) float exp_sub_sum(float *s, int n, 
 #define CHUNK 64  /* positions one item scores before one online-softmax step (and one pass over its sums) */
 #endif
 
-/* Ask for the K and V rows of positions from .. to-1 (head h, through the row's block table)
- * while the chunk before them computes: a block is a few KB at a random place in the pool, too
- * short for the hardware prefetcher to reach full speed on its own. */
-static inline __attribute__((always_inline)) void prefetch_span(const Job *j, int h, const int64_t *table,
-                                                                int64_t from, int64_t to) {
+/* K and V rows are asked for ahead of their chunk (a block is a few KB at a random place in the
+ * pool, too short for the hardware prefetcher to reach full speed on its own): the lines of the
+ * next spans (an item's next chunk; during its first chunk, the next item's first) still to be
+ * asked for: the loops over the current chunk ask for a few each step (pf_step), so the
+ * asks spread over the chunk's compute instead of queueing at once in the core's few line fill
+ * buffers (a burst of a chunk's ~400 asks stalled the core until most had landed). Regions: a
+ * run of positions inside one block, its keys and its values. */
+#define PF_REGIONS (4 * CHUNK + 4)  /* two spans of CHUNK positions, each at most CHUNK + 1 block runs of K and V */
+typedef struct {
+    const char *at[PF_REGIONS];
+    int64_t len[PF_REGIONS];
+    int n, i;
+    int64_t off;
+} PfCursor;
+
+/* The K and V rows of positions from .. to-1 (head h, through the row's block table) added to
+ * what pf still holds. */
+static inline __attribute__((always_inline)) void pf_span(PfCursor *pf, const Job *j, int h, const int64_t *table,
+                                                          int64_t from, int64_t to) {
     const int esz = j->kv_dtype == 0 ? 4 : 2;
-    for (int64_t p = from; p < to;) {
+    for (int64_t p = from; p < to && pf->n + 2 <= PF_REGIONS;) {
         const int64_t blk = table[p / j->bs], off = p % j->bs;
         const int64_t n = (to - p) < (j->bs - off) ? (to - p) : (j->bs - off);
-        const char *kp = (const char *)j->k + (h * j->k_head + blk * j->k_block + off * j->k_pos) * esz;
-        const char *vp = (const char *)j->v + (h * j->v_head + blk * j->v_block + off * j->v_pos) * esz;
-        const int64_t kbytes = ((n - 1) * j->k_pos + j->D) * esz, vbytes = ((n - 1) * j->v_pos + j->Dv) * esz;
-        for (int64_t o = 0; o < kbytes; o += 64) __builtin_prefetch(kp + o, 0, PREFETCH_HINT);
-        for (int64_t o = 0; o < vbytes; o += 64) __builtin_prefetch(vp + o, 0, PREFETCH_HINT);
+        pf->at[pf->n] = (const char *)j->k + (h * j->k_head + blk * j->k_block + off * j->k_pos) * esz;
+        pf->len[pf->n++] = ((n - 1) * j->k_pos + j->D) * esz;
+        pf->at[pf->n] = (const char *)j->v + (h * j->v_head + blk * j->v_block + off * j->v_pos) * esz;
+        pf->len[pf->n++] = ((n - 1) * j->v_pos + j->Dv) * esz;
         p += n;
     }
 }
 
-/* Ask for the first chunk of work item `it` (its rows' positions lo .. lo + CHUNK, head). */
-static inline __attribute__((always_inline)) void prefetch_item(const Job *j, int64_t it) {
+/* Ask for the next `lines` lines pf holds (none once all are asked for). */
+static inline __attribute__((always_inline)) void pf_step(PfCursor *pf, int lines) {
+    for (; lines > 0 && pf->i < pf->n; lines--) {
+        __builtin_prefetch(pf->at[pf->i] + pf->off, 0, PREFETCH_HINT);
+        pf->off += 64;
+        if (pf->off >= pf->len[pf->i]) pf->i++, pf->off = 0;
+    }
+}
+
+/* The first chunk of work item `it` (its rows' positions lo .. lo + CHUNK, head) added to pf;
+ * nothing when `it` is past the last item. */
+static inline __attribute__((always_inline)) void pf_item(PfCursor *pf, const Job *j, int64_t it) {
+    if (it >= j->ngroups * j->Hkv) return;
     const int64_t r = j->rows[j->group[it / j->Hkv]];
     const int64_t c = j->ctx[r], lo = j->lo[r];
-    prefetch_span(j, (int)(it % j->Hkv), j->tables + j->table_off[r], lo, c < lo + CHUNK ? c : lo + CHUNK);
+    pf_span(pf, j, (int)(it % j->Hkv), j->tables + j->table_off[r], lo, c < lo + CHUNK ? c : lo + CHUNK);
 }
+
 
 /* out[r, h's queries] = acc / (sum and the sinks' mass): the end of one (row, KV head). */
 static inline __attribute__((always_inline)) void finish_item(const Job *j, int64_t r, int h, const float *acc,
