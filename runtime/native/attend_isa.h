@@ -46,7 +46,7 @@ ISA_INLINE void ISA_FN(qk)(float *s, int ss, const float *q, int64_t qs, int G, 
         const float *qg[4] = {q + g * qs, q + (g + 1) * qs, q + (g + 2) * qs, q + (g + 3) * qs};
         for (int i = 0; i < n; i += 2) {
             const int64_t k0 = kat[i], k1 = i + 1 < n ? kat[i + 1] : k0;  /* odd n: the last twice */
-            pf_step(pf, 2);
+            pf_step(pf, 1);
             VF a[8] = {0};  /* a[u]: query u . k0, a[4 + u]: query u . k1 */
             for (int d = 0; d < DV; d += VW) {
                 const VF x0 = ISA_FN(kv_ld)(k, k0 + d, bf), x1 = ISA_FN(kv_ld)(k, k1 + d, bf);
@@ -100,7 +100,7 @@ ISA_INLINE void ISA_FN(qk_bf16)(float *s, int ss, const uint16_t *q, int64_t qs,
         const uint16_t *qg[4] = {q + g * qs, q + (g + 1) * qs, q + (g + 2) * qs, q + (g + 3) * qs};
         for (int i = 0; i < n; i += 2) {
             const int64_t k0 = kat[i], k1 = i + 1 < n ? kat[i + 1] : k0;  /* odd n: the last twice */
-            pf_step(pf, 2);
+            pf_step(pf, 1);
             __m512 a[8];  /* a[u]: query u . k0, a[4 + u]: query u . k1 */
             for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
             for (int d = 0; d < DV; d += 32) {
@@ -266,7 +266,12 @@ ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, i
     for (int g = 0; g < GQ; g++) m[g] = -INFINITY, l[g] = 0.f;
     memset(acc, 0, sizeof(float) * (size_t)GQ * Dv);
     const int qbf = QK_BF16 && bf && j->q_dtype == 1;  /* bf16 q over bf16 K: qk_bf16, q packed as it is */
-    PfCursor none = {.n = 0}, pf;  /* pf: the next span's lines, asked for a few at a time by the loops */
+    PfCursor none, pf;  /* pf: the next spans' lines, asked for a few at a time by the loops */
+    pf_clear(&none);
+    /* the loop steps of a full chunk that ask (pf_step(pf, 1) each): qk's position pairs (or
+     * eighths), pv's positions per tile of values, the widened values' rows */
+    const int64_t pv_tiles = Dv >= VW ? (Dv / VW + PV_NV - 1) / PV_NV : 0, qk_steps = G % 4 ? CHUNK / 8 * 4 : CHUNK / 2;
+    const int64_t pf_steps = (int64_t)((GQ + 3) / 4) * (qk_steps + CHUNK * pv_tiles) + (bf && BF16_STAGE_V ? CHUNK : 0);
     for (int u = 0; u < nr; u++)
         for (int g = 0; g < G; g++) {
             const int64_t at = rows[u] * j->q_row + (int64_t)(h * G + g) * j->q_head, to = (int64_t)(u * G + g) * D;
@@ -279,9 +284,10 @@ ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, i
     const int64_t *table = j->tables + j->table_off[rows[0]];
     for (int64_t p0 = lo; p0 < c; p0 += CHUNK) {
         const int n = (int)(c - p0 < CHUNK ? c - p0 : CHUNK);
-        pf.n = pf.i = 0, pf.off = 0;  /* this item's next chunk, then (during its first) the next item's first */
+        pf_clear(&pf);  /* this item's next chunk, then (during its first) the next item's first */
         if (p0 + n < c) pf_span(&pf, j, h, table, p0 + n, c < p0 + n + CHUNK ? c : p0 + n + CHUNK);
         if (p0 == lo) pf_item(&pf, j, next_item);
+        pf_pace(&pf, pf_steps);
         for (int i = 0; i < n; i++) {
             const int64_t p = p0 + i, blk = table[p / bs], off = p % bs;
             kat[i] = h * j->k_head + blk * j->k_block + off * j->k_pos;
@@ -319,7 +325,8 @@ ISA_ATTR static void ISA_FN(run_items)(Job *j, float *scratch) {
     const int bf = j->kv_dtype == 1;
     int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
     if (it < items) {  /* the first item's first chunk at once: nothing computes before it */
-        PfCursor first = {.n = 0};
+        PfCursor first;
+        pf_clear(&first);
         pf_item(&first, j, it);
         pf_step(&first, INT_MAX);
     }

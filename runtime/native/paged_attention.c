@@ -111,7 +111,8 @@ typedef struct {
     const char *at[PF_REGIONS];
     int64_t len[PF_REGIONS];
     int n, i;
-    int64_t off;
+    int64_t off, lines;  /* lines: all the regions hold */
+    int rate;            /* lines a step asks for (pf_pace) */
 } PfCursor;
 
 /* The K and V rows of positions from .. to-1 (head h, through the row's block table) added to
@@ -126,13 +127,25 @@ static inline __attribute__((always_inline)) void pf_span(PfCursor *pf, const Jo
         pf->len[pf->n++] = ((n - 1) * j->k_pos + j->D) * esz;
         pf->at[pf->n] = (const char *)j->v + (h * j->v_head + blk * j->v_block + off * j->v_pos) * esz;
         pf->len[pf->n++] = ((n - 1) * j->v_pos + j->Dv) * esz;
+        pf->lines += (pf->len[pf->n - 2] + 63) / 64 + (pf->len[pf->n - 1] + 63) / 64;
         p += n;
     }
 }
 
-/* Ask for the next `lines` lines pf holds (none once all are asked for). */
-static inline __attribute__((always_inline)) void pf_step(PfCursor *pf, int lines) {
-    for (; lines > 0 && pf->i < pf->n; lines--) {
+/* pf emptied (nothing to ask for, a step asks for one line). */
+static inline __attribute__((always_inline)) void pf_clear(PfCursor *pf) {
+    pf->n = pf->i = 0, pf->off = pf->lines = 0, pf->rate = 1;
+}
+
+/* Spread what pf holds over `steps` loop steps (pf_step(pf, 1) each). */
+static inline __attribute__((always_inline)) void pf_pace(PfCursor *pf, int64_t steps) {
+    pf->rate = (int)(steps > 0 ? (pf->lines + steps - 1) / steps : 1);
+    pf->rate = pf->rate < 1 ? 1 : pf->rate;
+}
+
+/* Ask for the next `steps` x rate lines pf holds (none once all are asked for). */
+static inline __attribute__((always_inline)) void pf_step(PfCursor *pf, int64_t steps) {
+    for (int64_t lines = steps * pf->rate; lines > 0 && pf->i < pf->n; lines--) {
         __builtin_prefetch(pf->at[pf->i] + pf->off, 0, PREFETCH_HINT);
         pf->off += 64;
         if (pf->off >= pf->len[pf->i]) pf->i++, pf->off = 0;
