@@ -54,7 +54,7 @@ _DEQUANT_ARGTYPES = [_PTR, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR,
 _SILU_MUL_ARGTYPES = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT]
 #: rope.c: x, row and head strides, T, heads, D, cos, sin, their row stride, out, dtype, threads
 _ROPE_ARGTYPES = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT]
-# moecc_rmsnorm(x, row stride, R, H, w, eps, out, dtype, lanes, nthreads)
+#: rmsnorm.c: x, its row stride, R, H, w, eps, out, dtype, torch's sum width, threads
 _RMSNORM_ARGTYPES = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR, _INT, _INT, _INT]
 
 

@@ -29,6 +29,7 @@
 #include "bf16.h"
 #include "cpu.h"
 #include "row_items.h"
+#include "py_args.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -91,21 +92,12 @@ int moecc_scale_add_rows(void *out, int64_t ldo, const int64_t *rows, int64_t n,
     return 0;
 }
 
-/* Python entries (METH_FASTCALL, pointers as ints, the work without the GIL): no ctypes
- * conversions, since a decode step makes two calls per expert. */
-static int ints(PyObject *const *args, Py_ssize_t n, long long *v) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return -1;
-    }
-    return 0;
-}
-
+/* Python entries (METH_FASTCALL, pointers as ints, the work without the GIL: py_args.h): no
+ * ctypes conversions, since a decode step makes two calls per expert. */
 static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
     long long v[8];
-    if (n != 8) return PyErr_Format(PyExc_TypeError, "silu_mul takes 8 arguments (%zd given)", n);
-    if (ints(args, n, v)) return NULL;
+    if (int_args(args, n, 8, "silu_mul", 0, v)) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = moecc_silu_mul((const void *)(intptr_t)v[0], v[1], v[2], v[3], (void *)(intptr_t)v[4], v[5],
@@ -117,8 +109,7 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyObject *py_scale_add_rows(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
     long long v[10];
-    if (n != 10) return PyErr_Format(PyExc_TypeError, "scale_add_rows takes 10 arguments (%zd given)", n);
-    if (ints(args, n, v)) return NULL;
+    if (int_args(args, n, 10, "scale_add_rows", 0, v)) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = moecc_scale_add_rows((void *)(intptr_t)v[0], v[1], (const int64_t *)(intptr_t)v[2], v[3],

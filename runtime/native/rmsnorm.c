@@ -27,6 +27,7 @@
 #include "bf16.h"
 #include "cpu.h"
 #include "row_items.h"
+#include "py_args.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { ILP = 4, LEVELS = 4, MAX_LANES = 16 };
@@ -142,13 +143,8 @@ int moecc_rmsnorm(const void *x, int64_t xs, int64_t R, int64_t H, const void *w
 static PyObject *py_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
     long long v[10];
-    if (n != 10) return PyErr_Format(PyExc_TypeError, "rmsnorm takes 10 arguments (%zd given)", n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i == 5) continue;
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
-    const double eps = PyFloat_AsDouble(args[5]);
+    if (int_args(args, n, 10, "rmsnorm", 1u << 5, v)) return NULL;
+    const double eps = PyFloat_AsDouble(args[5]);  /* the one float */
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS

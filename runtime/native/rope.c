@@ -24,6 +24,7 @@
 #include "bf16.h"
 #include "cpu.h"
 #include "row_items.h"
+#include "py_args.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -89,11 +90,7 @@ int moecc_rope(const void *x, int64_t xs_t, int64_t xs_h, int64_t T, int64_t hea
 static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
     long long v[12];
-    if (n != 12) return PyErr_Format(PyExc_TypeError, "rope takes 12 arguments (%zd given)", n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
+    if (int_args(args, n, 12, "rope", 0, v)) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = moecc_rope((const void *)(intptr_t)v[0], v[1], v[2], v[3], v[4], v[5], (const void *)(intptr_t)v[6],
