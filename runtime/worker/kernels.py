@@ -35,14 +35,16 @@ NORM_WIDE_H = 1024
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: in fp32, rounded to x's dtype, times w. On a CPU, one native pass
     over each row where it applies (native/rmsnorm.py), else NORM_ROWS rows at a time; both with
-    the same bits (each row's reduction is its own).
+    the same bits (each row's reduction is its own). Rows that are not contiguous (a column-major
+    view) are normalised whole: torch sums across such rows together, in an order that depends
+    on how many there are.
     x: [T, ..., H]  w: [H] -> [T, ..., H]"""
     out = native_rmsnorm.rmsnorm(x, w, eps) if x.device.type == "cpu" else None
     if out is not None:
         return out
     T = x.shape[0] if x.dim() > 1 else 0
     rows = NORM_ROWS * (2 if x.numel() <= T * NORM_WIDE_H else 1)
-    if x.device.type != "cpu" or T <= rows:
+    if x.device.type != "cpu" or T <= rows or x.stride(-1) != 1:
         return _rmsnorm(x, w, eps)
     out = torch.empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype))  # [T, ..., H]: w * x's dtype
     for s in range(0, T, rows):
