@@ -35,7 +35,7 @@ _ARGTYPES = [_PTR, _I64, _I64, _INT,  # q, row and head strides, q dtype
              _PTR, _I64, _PTR, _PTR, _PTR, _PTR,  # rows, nrows, tables, table_off, ctx, lo
              _PTR, _F32,  # sinks, scale
              _PTR, _I64, _I64, _INT, _INT]  # out, row and head strides, out dtype, threads
-#: the native kernels' dtype codes (cpu.h's 0 fp32, 1 bf16); the pool dtypes attention reads
+#: the native kernels' dtype codes (bf16.h's DT_F32 0, DT_BF16 1); the pool dtypes attention reads
 DTYPE_CODES = KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 

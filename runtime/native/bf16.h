@@ -1,11 +1,15 @@
-/* bf16 <-> fp32 for the runtime's plain-loop kernels (expert_rows.c, rope.c): widening is exact;
- * narrowing rounds to nearest even and turns NaN into 0x7fc0, as torch's conversion does. Plain
- * integer code, which the compiler vectorizes in each build. Header-only, all inline. */
+/* bf16 <-> fp32 for the runtime's native kernels (expert_rows.c, rope.c, rmsnorm.c, the attention
+ * kernel's scalar loads and bf16 output): widening is exact; narrowing rounds to nearest even and
+ * turns NaN into 0x7fc0, as torch's conversion does. Plain integer code, which the compiler
+ * vectorizes in each build. And the dtype codes the runtime passes (native.DTYPE_CODES).
+ * Header-only, all inline. */
 #ifndef MOECC_BF16_H
 #define MOECC_BF16_H
 
 #include <stdint.h>
 #include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1 };  /* native.DTYPE_CODES */
 
 static inline __attribute__((always_inline)) float bf2f(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;

@@ -31,7 +31,6 @@
 #include "row_items.h"
 #include "py_args.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
 
 typedef struct {
     int op;                          /* 0: silu_mul, 1: scale_add_rows */

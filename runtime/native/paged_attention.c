@@ -55,19 +55,15 @@ typedef struct {
     int failed;
 } Job;
 
-static inline __attribute__((always_inline)) float bf16_at(const uint16_t *p, int64_t i) {
-    uint32_t bits = ((uint32_t)p[i]) << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+#include "bf16.h"
+
+static inline __attribute__((always_inline)) float bf16_at(const uint16_t *p, int64_t i) { return bf2f(p[i]); }
 
 /* Element `at` of a K or V pool as fp32 (bf: the pool holds bf16). */
 static inline __attribute__((always_inline)) float kv_at(const void *base, int64_t at, int bf) {
     return bf ? bf16_at((const uint16_t *)base, at) : ((const float *)base)[at];
 }
 
-#include "bf16.h"
 #include "cpu.h"
 #include "vec8.h"
 #include "vec16.h"

@@ -29,7 +29,6 @@
 #include "row_items.h"
 #include "py_args.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { ILP = 4, LEVELS = 4, MAX_LANES = 16 };
 
 typedef struct {
@@ -89,15 +88,16 @@ static inline __attribute__((always_inline)) float sum_squares(const float *sq, 
     return total;
 }
 
-/* Row t; `sq` [H] fp32 scratch (the rounded squares, and for bf16 the widened row). */
+/* Row t; `sq` [H] fp32 scratch (the rounded squares), `wide` [H] fp32 scratch (a bf16 row widened;
+ * an fp32 row is read in place). */
 static inline __attribute__((always_inline)) void norm_row(const Job *j, int64_t t, float *restrict sq,
-                                                           float *restrict xf) {
+                                                           float *restrict wide) {
     const int64_t H = j->H;
+    const float *restrict xf = (const float *)j->x + t * j->xs;
     if (j->dtype == DT_BF16) {
         const uint16_t *restrict x = (const uint16_t *)j->x + t * j->xs;
-        for (int64_t c = 0; c < H; c++) xf[c] = bf2f(x[c]);
-    } else {
-        memcpy(xf, (const float *)j->x + t * j->xs, (size_t)H * sizeof(float));
+        for (int64_t c = 0; c < H; c++) wide[c] = bf2f(x[c]);
+        xf = wide;
     }
     for (int64_t c = 0; c < H; c++) sq[c] = xf[c] * xf[c];
     /* the width as a constant in each call: the lane loops become vector adds */
@@ -121,8 +121,8 @@ static inline __attribute__((always_inline)) void norm_row(const Job *j, int64_t
 /* Rows [r0, r1) of the job (row_items.h runs them on the threads); each build compiles it. */
 #define ROWS_BODY                                                              \
     const Job *j = (const Job *)job;                                           \
-    float sq[SCRATCH_H], xf[SCRATCH_H];                                        \
-    for (int64_t t = r0; t < r1; t++) norm_row(j, t, sq, xf);
+    float sq[SCRATCH_H], wide[SCRATCH_H];                                      \
+    for (int64_t t = r0; t < r1; t++) norm_row(j, t, sq, wide);
 
 ROW_ITEMS_BUILDS(ROWS_BODY)
 

@@ -26,7 +26,6 @@
 #include "row_items.h"
 #include "py_args.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
 
 typedef struct {
     const void *x; int64_t xs_t, xs_h;  /* x [T, heads, D]: row and head strides (elements) */

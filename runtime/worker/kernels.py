@@ -447,7 +447,7 @@ def experts(
     tally = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, idx, torch.ones_like(idx))
     counts = to_list(tally, "route")  # [E]: the layer's one host read
     tok_sorted = order // k  # [T*k] the token of each slot, slots grouped by expert
-    w_sorted = top_w.reshape(-1)[order]  # [T*k] its routing weight
+    w_sorted = top_w.reshape(-1)[order].float()  # [T*k] its routing weight, widened once (exactly) for the layer
     starts = [0] * num_experts
     acc = 0
     for e, count in enumerate(counts):
