@@ -2,8 +2,9 @@
 
 Every package under `moecc/` ships as itself and every package under `runtime/` as
 `moecc_runtime` (the runtime's import name), found on disk rather than listed by hand, so
-a new subpackage can never be left out of a wheel. The runtime's two native kernels (host
-attention, the sampler's host pass) are the extension modules.
+a new subpackage can never be left out of a wheel. The runtime's native kernels (host
+attention, the sampler's host pass, the formats' dequantize, and the element-wise host passes:
+experts, rope, rmsnorm) are the extension modules, all optional.
 """
 
 import sys

@@ -39,7 +39,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     view) are normalised whole: torch sums across such rows together, in an order that depends
     on how many there are.
     x: [T, ..., H]  w: [H] -> [T, ..., H]"""
-    out = native_rmsnorm.rmsnorm(x, w, eps) if x.device.type == "cpu" else None
+    out = native_rmsnorm.rmsnorm(x, w, eps)  # None off the host or where it does not apply
     if out is not None:
         return out
     T = x.shape[0] if x.dim() > 1 else 0
