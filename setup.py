@@ -3,8 +3,9 @@
 Every package under `moecc/` ships as itself and every package under `runtime/` as
 `moecc_runtime` (the runtime's import name), found on disk rather than listed by hand, so
 a new subpackage can never be left out of a wheel. The runtime's native kernels (host
-attention, the sampler's host pass, the formats' dequantize, and the element-wise host passes:
-experts, rope, rmsnorm) are the extension modules, all optional.
+attention, the sampler's host pass, the formats' dequantize, the element-wise host passes:
+experts, rope, rmsnorm; and the fused routed expert on AMX) are the extension modules, all
+optional.
 """
 
 import sys
@@ -40,9 +41,12 @@ def native(name: str, contract: str = "fast") -> Extension:
 
 
 # runtime/native/dequant.c: the formats' host dequantize; expert_rows.c: the element-wise passes
-# around an expert's GEMMs; rope.c: rotary embedding; rmsnorm.c: the norm. The last three are
-# built without fused multiply-adds: they round as torch's passes do.
+# around an expert's GEMMs; rope.c: rotary embedding; rmsnorm.c: the norm; expert_amx.c: a routed
+# expert's whole MLP on AMX tiles (its target attribute needs GCC 11 / Clang 12; older compilers
+# build a stub that declines). The last four are built without fused multiply-adds: they round as
+# torch's passes do.
 setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
       ext_modules=[native("_paged_attention"), native("_sample_rows"),
                    native("_dequant"), native("_expert_rows", contract="off"),
-                   native("_rope", contract="off"), native("_rmsnorm", contract="off")])
+                   native("_rope", contract="off"), native("_rmsnorm", contract="off"),
+                   native("_expert_amx", contract="off")])

@@ -35,11 +35,13 @@ import moecc_runtime.native as native
 assert native.available(), "the wheel carries no host attention kernel (moecc_runtime.native._paged_attention)"
 assert native.sampling_available(), "the wheel carries no sampler host pass (moecc_runtime.native._sample_rows)"
 assert native.dequant_rows() is not None, "the wheel carries no host dequantize (moecc_runtime.native._dequant)"
-from moecc_runtime.native import expert_rows, rmsnorm, rope
+from moecc_runtime.native import expert_amx, expert_rows, rmsnorm, rope, extension
 assert expert_rows._module() is not None, "the wheel carries no expert passes (moecc_runtime.native._expert_rows)"
+assert extension("_expert_amx", "moecc_expert_amx") is not None, "the wheel carries no AMX expert (moecc_runtime.native._expert_amx)"
+print("check_install: the AMX expert kernel", "runs on this CPU" if expert_amx._module() is not None else "is built (this CPU has no AMX)")
 assert rope._module() is not None, "the wheel carries no host rope (moecc_runtime.native._rope)"
 assert rmsnorm.sum_lanes() is not None, "the wheel's host rmsnorm is missing or disagrees with torch's (moecc_runtime.native._rmsnorm)"
-print("check_install: host attention kernel, sampler pass, dequantize, expert passes, rope and rmsnorm built into the wheel")
+print("check_install: host attention kernel, sampler pass, dequantize, expert passes, the AMX expert, rope and rmsnorm built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"
 "$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt

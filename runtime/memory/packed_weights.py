@@ -69,7 +69,7 @@ class PackedLinear:
     the row counts of its parts, and `split`, where the first ends (gate rows [0, split));
     both None otherwise."""
 
-    __slots__ = ("packed", "out_features", "in_features", "dtype", "split", "sections")
+    __slots__ = ("packed", "out_features", "in_features", "dtype", "split", "sections", "rows_hint")
 
     def __init__(self, w: torch.Tensor, rows_hint: int, split: int | None = None,
                  sections: tuple[int, ...] | None = None):
@@ -78,7 +78,8 @@ class PackedLinear:
         self.dtype = w.dtype
         self.split = split
         self.sections = sections
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), max(1, int(rows_hint)))
+        self.rows_hint = max(1, int(rows_hint))  # oneDNN's layout depends on it (native/expert_amx.py reads it)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), self.rows_hint)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] -> [..., out]; rows padded with zeros up to `bucket_rows` (see there)

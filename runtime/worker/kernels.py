@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moecc_runtime.contract.activations import ACTIVATIONS
-from moecc_runtime.native import expert_rows
+from moecc_runtime.native import expert_amx, expert_rows
 from moecc_runtime.native import rope as native_rope
 from moecc_runtime.native import rmsnorm as native_rmsnorm
 from moecc_runtime.syncs import to_list
@@ -410,13 +410,13 @@ def expert_parts(a: dict) -> tuple[str, ...]:
     return tuple(a.get("parts", ("gate", "up", "down")))
 
 
-def expert_mlp(a: dict) -> ExpertMLP:
-    """The MLP every expert of an experts op with attributes `a` runs."""
+def expert_mlp(a: dict) -> str | ExpertMLP:
+    """The MLP every expert of an experts op with attributes `a` runs: the activation's name for
+    a gated MLP (as `experts` takes it, which can then run a silu expert in one native call)."""
     if a["act"] == "clamped_swiglu":
         alpha, limit = float(a["swiglu_alpha"]), float(a["swiglu_limit"])
         return lambda x, w: clamped_swiglu_mlp(x, *w, alpha, limit)
-    act = a["act"]
-    return lambda x, w: gated_mlp(x, *w, act)
+    return str(a["act"])
 
 
 def experts(
@@ -432,8 +432,11 @@ def experts(
     one expert after another; experts no token chose are skipped (never fetched).
     `fetch(used)` yields each used expert's weights in order (it may prefetch ahead: it
     learns the whole list first); `mlp` is what an expert computes from them (an activation
-    name: the gated MLP over (gate, up, down); see expert_mlp).
+    name: the gated MLP over (gate, up, down); see expert_mlp). A silu expert whose weights
+    are packed for oneDNN runs each chunk of up to 512 rows as one native call on a CPU with AMX
+    (native/expert_amx.py: the gather, both GEMMs, silu * up and the weighted add, fused).
     x: [T, H]  top_w/top_i: [T, k] -> ([T, H], experts run)."""
+    fused = mlp == "silu"  # the whole expert in one native call where it applies (expert_amx.py)
     if isinstance(mlp, str):
         act = mlp
         mlp = lambda rows, w: gated_mlp(rows, *w, act)  # noqa: E731
@@ -461,6 +464,8 @@ def experts(
             for s in range(starts[e], starts[e] + count, chunk):
                 z = min(s + chunk, starts[e] + count)
                 tok, tw = tok_sorted[s:z], w_sorted[s:z]  # [c] each: the chunk's tokens and weights
+                if fused and len(w) == 3 and w[1] is None and expert_amx.expert(x, tok, tw, w[0], w[2], out):
+                    continue
                 y = mlp(_gather_rows(x, tok, w), w)[:tok.shape[0]]  # [c, H]
                 if not expert_rows.scale_add_rows(out, tok, y, tw):  # one pass on the host, same bits
                     y.mul_(tw[:, None])

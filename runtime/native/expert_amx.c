@@ -1,0 +1,324 @@
+/* One routed expert's gated MLP over its rows on a CPU with AMX (bf16 tiles), in one call:
+ *
+ *   a[r]      = x[tok[r]]                                    r < n       (gather)
+ *   h[r, j]   = silu(a[r] . G[j]) * (a[r] . U[j])             j < I       (gate and up, one pass)
+ *   out[tok[r], c] += tw[r] * (h[r] . D[c])                   c < H       (down, added in place)
+ *
+ * Legend: T tokens of the layer, H hidden, I intermediate, n rows routed to the expert (tok:
+ * their distinct tokens, tw: their routing weights, fp32), G/U the gate and up halves of the
+ * stacked [2I, H] weight, D the [H, I] down weight; Mp = n rounded up to 16 (tile rows).
+ *
+ * The weights are read as oneDNN packed them for its own GEMM (packed_weights.PackedLinear:
+ * `_reorder_linear_weight`, layout AB16b{NB}a2b): blocks of NB output rows by 16 inputs, inside a
+ * block [8 input pairs][NB outputs][2]. A bf16 tile of 16 outputs by 32 inputs (VNNI pairs) is
+ * then 16 rows of 64 bytes at a stride of NB*4 bytes, so no second copy of the weights exists;
+ * expert_amx.py checks the layout on probe weights before any call and passes NB.
+ *
+ * Rounding is torch's for the same ops (the unfused path, kernels.gated_mlp + scale_add_rows):
+ * each GEMM accumulates in fp32 over the inputs in order, 32 at a time (AMX's dot product, the
+ * order oneDNN's AMX kernel uses where it does not split the inputs between threads), rounded
+ * to bf16; silu from the same table (expert_rows.py's, torch's F.silu of every bf16 value),
+ * times up, rounded; the down row rounded, times tw (fp32), rounded, then added, rounded.
+ *
+ * Work: three parallel passes on torch's OpenMP team (cpu.h): the gather by rows; gate/up by
+ * 16-output slices, each thread a contiguous run of them; down by 32-output slices. Each pass
+ * asks for the next slice's weight lines a few at a time while it computes the current one
+ * (weights stream from memory once a step; paced so the line fill buffers never fill).
+ * x86-64 with GCC 11 / Clang 12 or newer only (the AMX target); elsewhere `moecc_expert_amx`
+ * returns 2 and the caller runs torch's path.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <Python.h>
+
+#include "bf16.h"
+#include "cpu.h"
+#include "py_args.h"
+
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+#endif
+
+#define MAX_ROWS 512   /* rows per call (the caller chunks); 32 tiles of 16 */
+
+typedef struct {
+    const uint16_t *x; int64_t ldx;          /* [T, H] */
+    const int64_t *tok; const float *tw;     /* [n] each */
+    int64_t n, mp, H, I;
+    const uint16_t *gu; int nb_gu;           /* [2I, H] packed, NB */
+    const uint16_t *dn; int nb_dn;           /* [H, I] packed, NB */
+    const float *lut;                        /* [65536] silu of each bf16, rounded to bf16 */
+    uint16_t *a;                             /* [Mp, H] gathered rows, pad rows zero */
+    uint16_t *h;                             /* [Mp, I] */
+    uint16_t *out; int64_t ldo;              /* [T, H] */
+    int nth; int64_t next;                   /* threads; the next thread index to hand out */
+} Job;
+
+/* The next run [*lo, *hi) of `items` split into j->nth contiguous runs, taken by whichever thread
+ * asks first (each thread of a full team takes one); 0 when all are taken. */
+static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
+    const int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+    if (t >= j->nth) return 0;
+    *lo = items * t / j->nth;
+    *hi = items * (t + 1) / j->nth;
+    return 1;
+}
+
+static void *gather_rows(void *arg) {
+    Job *j = (Job *)arg;
+    int64_t r0, r1;
+    while (next_run(j, j->mp, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++) {
+            uint16_t *dst = j->a + r * j->H;
+            if (r < j->n) memcpy(dst, j->x + j->tok[r] * j->ldx, (size_t)j->H * 2);
+            else memset(dst, 0, (size_t)j->H * 2);
+        }
+    return NULL;
+}
+
+#ifdef HAVE_AMX
+typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileCfg;
+
+AMX_TARGET static void tiles_on(void) {
+    TileCfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* Element offset of the tile (outputs o0..o0+15, inputs 32*kb..) in a weight packed AB16b{nb}a2b
+ * of K inputs; its rows are nb*2 elements apart, and each block of nb outputs is one run of
+ * K*nb elements. */
+static inline int64_t tile_at(int64_t o0, int64_t kb, int64_t K, int nb) {
+    return ((o0 / nb) * (K / 16) + kb * 2) * 16 * nb + (o0 % nb) * 2;
+}
+
+/* Paced prefetch of the next unit's weight blocks (up to two contiguous runs of lines), asked
+ * for `per` lines at each K step so the line fill buffers never fill. */
+typedef struct { const char *p[2]; int64_t left[2], per; } Pf;
+
+static inline void pf_step(Pf *f) {
+    int64_t q = f->per;
+    for (int i = 0; i < 2 && q > 0; i++)
+        for (; q > 0 && f->left[i] > 0; q--, f->left[i]--, f->p[i] += 64) _mm_prefetch(f->p[i], _MM_HINT_T1);
+}
+
+/* The prefetch of blocks r0 and r1 (element offsets; r1 < 0: one run) of `bytes` each over
+ * `steps` K steps; nothing when `none`. */
+static inline Pf pf_blocks(const uint16_t *w, int64_t r0, int64_t r1, int64_t bytes, int64_t steps, int none) {
+    Pf f = {{(const char *)(w + r0), (const char *)(w + (r1 < 0 ? 0 : r1))}, {bytes / 64, r1 < 0 ? 0 : bytes / 64}, 0};
+    f.per = (f.left[0] + f.left[1] + steps - 1) / steps;
+    if (none) f.left[0] = f.left[1] = 0;
+    return f;
+}
+
+#ifndef KBLK
+#define KBLK 8  /* input steps (of 32) per pass over the row tiles: B's tiles for them stay in L1 */
+#endif
+
+/* cb[m][t] (16 x 16 fp32 each) = A's row tile m x B's column tile t (b0, b1), for every row tile
+ * m < MT, over KB steps of 32 inputs: A rows lda elements apart; B tiles bstep elements apart by
+ * step, rows bstride bytes apart. Row tiles two at a time (C in tiles 0-3), the inputs in blocks
+ * of KBLK steps (the partial sums through cb between blocks), so a block's B tiles are read from
+ * memory once and from L1 by the other row tiles. */
+AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t lda, int64_t MT, const uint16_t *b0, const uint16_t *b1,
+                                   int64_t bstep, int64_t bstride, int64_t KB, Pf *pf, float (*cb)[2][256]) {
+    for (int64_t k0 = 0; k0 < KB; k0 += KBLK) {
+        const int64_t k1 = k0 + KBLK < KB ? k0 + KBLK : KB;
+        for (int64_t m = 0; m < MT; m += 2) {
+            const int two = m + 1 < MT;
+            if (k0 == 0) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            } else {
+                _tile_loadd(0, cb[m][0], 64); _tile_loadd(1, cb[m][1], 64);
+                if (two) { _tile_loadd(2, cb[m + 1][0], 64); _tile_loadd(3, cb[m + 1][1], 64); }
+            }
+            const uint16_t *a0 = a + m * 16 * lda;
+            for (int64_t kb = k0; kb < k1; kb++) {
+                pf_step(pf);
+                _tile_loadd(4, a0 + kb * 32, lda * 2);
+                _tile_loadd(6, b0 + kb * bstep, bstride);
+                _tile_loadd(7, b1 + kb * bstep, bstride);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) {
+                    _tile_loadd(5, a0 + 16 * lda + kb * 32, lda * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, cb[m][0], 64); _tile_stored(1, cb[m][1], 64);
+            if (two) { _tile_stored(2, cb[m + 1][0], 64); _tile_stored(3, cb[m + 1][1], 64); }
+        }
+    }
+}
+
+/* bf16.h's f2bf on 16 lanes: to nearest even, NaN to 0x7fc0 (integer ops: AVX512-BF16's
+ * conversion flushes subnormals, torch's does not). */
+AMX_TARGET static inline __m256i f2bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
+}
+
+AMX_TARGET static inline __m512 bf16x(__m256i h) {  /* 16 bf16 widened (exact) */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* h row = silu(bf16(g)) * bf16(u), rounded: expert_rows.c's silu_mul on 16 columns. */
+AMX_TARGET static inline void silu_mul16(uint16_t *h, const float *g, const float *u, const float *lut) {
+    const __m512 sg = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(f2bf16(_mm512_load_ps(g))), lut, 4);
+    _mm256_storeu_si256((__m256i *)h, f2bf16(_mm512_mul_ps(sg, bf16x(f2bf16(_mm512_load_ps(u))))));
+}
+
+/* o += bf16(bf16(c) * w), rounded: expert_rows.c's scale_add_rows on 16 columns. */
+AMX_TARGET static inline void scale_add16(uint16_t *o, const float *c, __m512 w) {
+    const __m512 y = bf16x(f2bf16(_mm512_mul_ps(bf16x(f2bf16(_mm512_load_ps(c))), w)));
+    const __m512 sum = _mm512_add_ps(bf16x(_mm256_loadu_si256((const __m256i *)o)), y);
+    _mm256_storeu_si256((__m256i *)o, f2bf16(sum));
+}
+
+/* Gate and up by units of nb outputs of each (one block of the gate half, the same block of
+ * the up half); h's columns of the unit for every row. */
+AMX_TARGET static void *gate_up(void *arg) {
+    Job *j = (Job *)arg;
+    tiles_on();
+    const int64_t K = j->H, KB = K / 32, MT = j->mp / 16, I = j->I;
+    const int nb = j->nb_gu;
+    const int64_t run = K * nb, steps = (nb / 16) * ((MT + 1) / 2) * KB;
+    float cb[MAX_ROWS / 16][2][256] __attribute__((aligned(64)));  /* [row tile][column tile] */
+    int64_t u0, u1;
+    while (next_run(j, I / nb, &u0, &u1))
+        for (int64_t un = u0; un < u1; un++) {
+            Pf pf = pf_blocks(j->gu, (un + 1) * run, (I / nb + un + 1) * run, run * 2, steps, un + 1 >= u1);
+            for (int64_t s = un * nb / 16; s < (un + 1) * nb / 16; s++) {
+                const uint16_t *g = j->gu + tile_at(16 * s, 0, K, nb), *u = j->gu + tile_at(I + 16 * s, 0, K, nb);
+                slice_tiles(j->a, K, MT, g, u, 32 * nb, nb * 4, KB, &pf, cb);
+                for (int64_t m = 0; m < MT; m++)
+                    for (int r = 0; r < 16; r++)
+                        silu_mul16(j->h + (m * 16 + r) * I + 16 * s, cb[m][0] + r * 16, cb[m][1] + r * 16, j->lut);
+            }
+        }
+    _tile_release();
+    return NULL;
+}
+
+/* Down by units of nb outputs (nb/32 slices of 32); each row's weighted result added into
+ * out[tok[r]]. */
+AMX_TARGET static void *down(void *arg) {
+    Job *j = (Job *)arg;
+    tiles_on();
+    const int64_t K = j->I, KB = K / 32, MT = j->mp / 16;
+    const int nb = j->nb_dn;
+    const int64_t run = K * nb, steps = (nb / 32) * ((MT + 1) / 2) * KB;
+    float cb[MAX_ROWS / 16][2][256] __attribute__((aligned(64)));  /* [row tile][column tile] */
+    int64_t u0, u1;
+    while (next_run(j, j->H / nb, &u0, &u1))
+        for (int64_t un = u0; un < u1; un++) {
+            Pf pf = pf_blocks(j->dn, (un + 1) * run, -1, run * 2, steps, un + 1 >= u1);
+            for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++) {
+                const uint16_t *b0 = j->dn + tile_at(32 * s, 0, K, nb), *b1 = j->dn + tile_at(32 * s + 16, 0, K, nb);
+                slice_tiles(j->h, K, MT, b0, b1, 32 * nb, nb * 4, KB, &pf, cb);
+                for (int64_t row = 0; row < j->n; row++) {
+                    const __m512 w = _mm512_set1_ps(j->tw[row]);
+                    uint16_t *o = j->out + j->tok[row] * j->ldo + 32 * s;
+                    scale_add16(o, cb[row / 16][0] + (row % 16) * 16, w);
+                    scale_add16(o + 16, cb[row / 16][1] + (row % 16) * 16, w);
+                }
+            }
+        }
+    _tile_release();
+    return NULL;
+}
+
+/* The CPU has AMX's bf16 tiles (CPUID 7.0 EDX bits 22, 24) and the OS lets this process use
+ * them (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once. */
+static int amx_ready(void) {
+    static int known = -1;
+    if (known >= 0) return known;
+    unsigned a = 7, b = 0, c = 0, d = 0;
+    __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "+c"(c), "=d"(d));
+    known = ((d >> 22) & 1u) && ((d >> 24) & 1u) && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return known;
+}
+#endif
+
+/* 1: this build and CPU run the kernel; 0: they do not. */
+int moecc_expert_amx_ready(void) {
+#ifdef HAVE_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
+/* Returns 0 (done), 1 (arguments it does not take: nothing written) or 2 (no AMX here). `a`
+ * [Mp, H] and `h` [Mp, I] are the caller's scratch. */
+int moecc_expert_amx(const uint16_t *x, int64_t ldx, const int64_t *tok, const float *tw, int64_t n, int64_t H,
+                     int64_t I, const uint16_t *gu, int nb_gu, const uint16_t *dn, int nb_dn, const float *lut,
+                     uint16_t *a, uint16_t *h, uint16_t *out, int64_t ldo, int nthreads) {
+#ifdef HAVE_AMX
+    if (!amx_ready()) return 2;
+    if (n < 1 || n > MAX_ROWS || H % 32 || I % 32 || I % nb_gu || H % nb_dn || nb_gu % 32 || nb_dn % 32 ||
+        ldx < H || ldo < H)
+        return 1;
+    Job j = {x, ldx, tok, tw, n, (n + 15) / 16 * 16, H, I, gu, nb_gu, dn, nb_dn, lut, a, h, out, ldo, 1, 0};
+    j.nth = nthreads < 1 ? 1 : nthreads;
+    run_threads(gather_rows, &j, j.nth, j.nth);
+    j.next = 0;
+    run_threads(gate_up, &j, j.nth, j.nth);
+    j.next = 0;
+    run_threads(down, &j, j.nth, j.nth);
+    return 0;
+#else
+    (void)x, (void)ldx, (void)tok, (void)tw, (void)n, (void)H, (void)I, (void)gu, (void)nb_gu, (void)dn;
+    (void)nb_dn, (void)lut, (void)a, (void)h, (void)out, (void)ldo, (void)nthreads;
+    return 2;
+#endif
+}
+
+/* Python entries (METH_FASTCALL, pointers as ints, the work without the GIL: py_args.h). */
+static PyObject *py_expert(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    long long v[17];
+    if (int_args(args, n, 17, "expert", 0, v)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = moecc_expert_amx((const uint16_t *)(intptr_t)v[0], v[1], (const int64_t *)(intptr_t)v[2],
+                          (const float *)(intptr_t)v[3], v[4], v[5], v[6], (const uint16_t *)(intptr_t)v[7], (int)v[8],
+                          (const uint16_t *)(intptr_t)v[9], (int)v[10], (const float *)(intptr_t)v[11],
+                          (uint16_t *)(intptr_t)v[12], (uint16_t *)(intptr_t)v[13], (uint16_t *)(intptr_t)v[14], v[15],
+                          (int)v[16]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *py_ready(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self, (void)args;
+    if (n != 0) return PyErr_Format(PyExc_TypeError, "ready takes no arguments");
+    return PyLong_FromLong(moecc_expert_amx_ready());
+}
+
+static PyMethodDef methods[] = {
+    {"expert", (PyCFunction)(void (*)(void))py_expert, METH_FASTCALL,
+     "expert(x, ldx, tok, tw, n, H, I, gu, nb_gu, down, nb_down, lut, a, h, out, ldo, nthreads) -> 0, 1 or 2"},
+    {"ready", (PyCFunction)(void (*)(void))py_ready, METH_FASTCALL, "ready() -> 1 when AMX runs here"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_expert_amx",
+                                    "moecc's fused routed expert on AMX tiles over oneDNN-packed weights.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__expert_amx(void) { return PyModule_Create(&module); }

@@ -1,0 +1,123 @@
+"""A routed expert's whole gated MLP in one native call on a CPU with AMX (expert_amx.c,
+`moecc_runtime.native._expert_amx`): the gather of its rows, gate and up with silu * up, down,
+and the weighted add into the layer's output, over the weights oneDNN packed for its own GEMM
+(no second copy). At a decode step's 16-256 rows an expert's GEMMs are short and its weights
+stream from memory; oneDNN's GEMM plus the element-wise passes between them (expert_rows.py)
+spend ~30% of the expert's time outside the GEMMs, which this call does not.
+
+`expert` returns False, having done nothing, where it does not apply: not built, no AMX here
+(or MOECC_NO_NATIVE / MOECC_EXPERT_AMX=0), not bf16, a silu-gated expert whose weights are not
+both `PackedLinear` in a layout the probe recognised, more than `MAX_ROWS` rows, sizes not in
+multiples of 32. The caller then runs its own path. Results: torch's roundings for the same ops
+(expert_amx.c); the GEMMs' fp32 sums in input order, which oneDNN's GEMM also uses except where it
+splits the inputs between threads (then the bits of a sum may differ in the last place).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from moecc_runtime.native import extension
+from moecc_runtime.native.expert_rows import _silu_table
+
+MAX_ROWS = 512  #: rows per call (the kernel's own limit)
+_NB = (32, 64)  #: output blocks of oneDNN's AB16b{NB}a2b bf16 layouts the kernel reads
+
+
+def _module() -> Any:
+    """The extension, or None: not built, turned off, or no AMX on this CPU/OS."""
+    if os.environ.get("MOECC_EXPERT_AMX", "1") == "0":
+        return None
+    mod = extension("_expert_amx", "moecc_expert_amx")
+    return mod if mod is not None and _ready(mod) else None
+
+
+@lru_cache(maxsize=None)
+def _ready(mod: Any) -> bool:
+    return bool(mod.ready())
+
+
+def _raw(packed: torch.Tensor) -> int:
+    """The address of an opaque oneDNN tensor's bytes."""
+    return int(torch.ops.mkldnn.data_ptr(packed))
+
+
+@lru_cache(maxsize=None)
+def layout(out_features: int, in_features: int, rows_hint: int) -> int | None:
+    """NB of the AB16b{NB}a2b layout oneDNN packs a bf16 [out, in] weight in (`rows_hint` as
+    PackedLinear passes it), found by packing probe weights whose values are their own indices
+    and reading where each landed; None: another layout (the kernel does not read it)."""
+    from moecc_runtime.memory.packed_weights import PackedLinear  # memory imports native
+
+    n_out, k_in = out_features, in_features
+    if k_in % 32 or n_out % 16:
+        return None
+    n = torch.arange(n_out)[:, None].expand(n_out, k_in)  # [N, K]
+    k = torch.arange(k_in)[None, :].expand(n_out, k_in)
+
+    def packed(values: torch.Tensor) -> torch.Tensor | None:  # [N*K] fp32 as oneDNN laid them out
+        p = PackedLinear(values.to(torch.bfloat16), rows_hint).packed
+        if torch.ops.mkldnn._nbytes(p) != n_out * k_in * 2:
+            return None
+        return torch.frombuffer(_bytes(p), dtype=torch.bfloat16).float()
+
+    parts = [packed(v) for v in (n % 256, n // 256, k % 256, k // 256)]  # exact in bf16: integers < 256
+    if any(p is None for p in parts):
+        return None
+    got_n, got_k = parts[0] + 256 * parts[1], parts[2] + 256 * parts[3]
+    for nb in _NB:
+        if n_out % nb:
+            continue
+        at = ((n // nb) * (k_in // 16) + k // 16) * 16 * nb + ((k % 16) // 2) * nb * 2 + (n % nb) * 2 + k % 2  # [N, K]
+        want_n, want_k = torch.empty(n_out * k_in), torch.empty(n_out * k_in)
+        want_n[at.reshape(-1)], want_k[at.reshape(-1)] = n.reshape(-1).float(), k.reshape(-1).float()
+        if torch.equal(want_n, got_n) and torch.equal(want_k, got_k):
+            return nb
+    return None
+
+
+def _bytes(packed: torch.Tensor) -> bytearray:
+    import ctypes
+
+    nbytes = int(torch.ops.mkldnn._nbytes(packed))
+    return bytearray((ctypes.c_char * nbytes).from_address(_raw(packed)))
+
+
+def expert(x: torch.Tensor, tok: torch.Tensor, tw: torch.Tensor, gate_up: Any, down: Any,
+           out: torch.Tensor) -> bool:
+    """out[tok[i]] += tw[i] * down(silu(gate(x[tok[i]])) * up(x[tok[i]])) for every i, in one call.
+    x/out: [T, H] bf16  tok: [n] int64, distinct  tw: [n] fp32  gate_up: a stacked PackedLinear
+    [2I, H] (`split` I)  down: a PackedLinear [H, I]. False: not done (module docstring)."""
+    mod = _module()
+    if mod is None or not 0 < tok.shape[0] <= MAX_ROWS or x.dtype != torch.bfloat16 or out.dtype != x.dtype:
+        return False
+    nb = _weights(gate_up, down)
+    if nb is None or x.device.type != "cpu" or x.stride(1) != 1 or out.stride(1) != 1:
+        return False
+    n, H, inter = tok.shape[0], x.shape[1], down.in_features
+    rows = -(-n // 16) * 16
+    a, h = x.new_empty((rows, H)), x.new_empty((rows, inter))  # [Mp, H], [Mp, I]: the kernel's scratch
+    tok, tw = tok.contiguous(), tw.to(torch.float32).contiguous()
+    rc = mod.expert(x.data_ptr(), x.stride(0), tok.data_ptr(), tw.data_ptr(), n, H, inter,
+                    _raw(gate_up.packed), nb[0], _raw(down.packed), nb[1], _silu_table().data_ptr(),
+                    a.data_ptr(), h.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return rc == 0
+
+
+def _weights(gate_up: Any, down: Any) -> tuple[int, int] | None:
+    """The layouts (NB) of a stacked gate/up and a down PackedLinear the kernel reads, or None."""
+    hint = getattr(gate_up, "rows_hint", None)
+    if (hint is None or getattr(down, "rows_hint", None) is None or gate_up.dtype != torch.bfloat16
+            or down.dtype != torch.bfloat16 or gate_up.split is None
+            or gate_up.out_features != 2 * gate_up.split or down.in_features != gate_up.split
+            or down.out_features != gate_up.in_features):
+        return None
+    g = layout(gate_up.out_features, gate_up.in_features, gate_up.rows_hint)
+    d = layout(down.out_features, down.in_features, down.rows_hint)
+    if g is None or d is None or gate_up.split % g:
+        return None
+    return g, d

@@ -1,0 +1,141 @@
+"""The fused routed expert on AMX tiles (runtime/native/expert_amx.c) computes what the unfused
+path does (kernels.gated_mlp over PackedLinear + expert_rows.scale_add_rows): the same bits where
+oneDNN's GEMM sums the inputs in order (up to 224 inputs here at any row count), within one bf16
+step of the sum elsewhere (oneDNN splits 768-1,152 inputs between its threads); it reads oneDNN's
+packed weights in the layout the probe found; where it does not apply it does nothing and says
+so; and kernels.experts gives the same bits with it and without it.
+
+Legend: T = tokens, H = hidden size, I = intermediate size, n = rows routed to the expert.
+Skipped where the kernel does not run (not built, or a CPU without AMX)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from moecc_runtime.memory.packed_weights import PackedLinear, packing_available
+from moecc_runtime.native import expert_amx, expert_rows
+from moecc_runtime.worker import kernels
+
+pytestmark = pytest.mark.skipif(expert_amx._module() is None or not packing_available(),
+                                reason="the AMX expert kernel does not run here (not built, or no AMX)")
+
+BF16 = torch.bfloat16
+
+
+def expert_weights(H: int, I: int, seed: int) -> tuple[PackedLinear, None, PackedLinear]:
+    """A silu expert's packed weights as the runtime holds them: (gate and up stacked, None, down)."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(2 * I, H, generator=g) / 8).to(BF16)  # [2I, H]
+    down = (torch.randn(H, I, generator=g) / 8).to(BF16)  # [H, I]
+    return PackedLinear(gate_up, 128, split=I, sections=(I, I)), None, PackedLinear(down, 128)
+
+
+def unfused(x, tok, tw, w, out) -> torch.Tensor:
+    """The path the kernel replaces, on a copy of `out`."""
+    out = out.clone()
+    y = kernels.gated_mlp(kernels._gather_rows(x, tok, w), w[0], None, w[2], "silu")[:tok.shape[0]]  # [n, H]
+    assert expert_rows.scale_add_rows(out, tok, y, tw)
+    return out
+
+
+def case(T: int, H: int, I: int, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, H, generator=g).to(BF16)  # [T, H]
+    tok = torch.randperm(T, generator=g)[:n]  # [n] distinct
+    tw = torch.rand(n, generator=g)  # [n] fp32
+    out = torch.randn(T, H, generator=g).to(BF16)  # [T, H]: the kernel adds into it
+    return x, tok, tw, out
+
+
+@settings(max_examples=25, deadline=None)
+@given(H=st.sampled_from([32, 64, 96, 128]), I=st.sampled_from([32, 64, 96, 128, 224]), n=st.integers(1, 512),
+       seed=st.integers(0, 2**16))
+@example(H=128, I=224, n=512, seed=0)  # the demo model's shapes, the kernel's most rows
+@example(H=32, I=32, n=17, seed=1)  # a last row tile of one row
+def test_same_bits_as_the_unfused_path(H: int, I: int, n: int, seed: int) -> None:
+    w = expert_weights(H, I, seed)
+    x, tok, tw, out = case(max(n, 600), H, I, n, seed)
+    ref = unfused(x, tok, tw, w, out)
+    assert expert_amx.expert(x, tok, tw, w[0], w[2], out)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("n", [16, 128, 512])
+def test_as_close_as_the_unfused_path_where_onednn_splits_the_sum(n: int) -> None:
+    """At the bench model's shapes oneDNN's GEMM splits the inputs between threads (another fp32
+    summation order), so the bits may differ: against the exact result (fp64 from the same bf16
+    weights, no intermediate rounding) the kernel's error is the unfused path's, mean and max."""
+    H, I, seed = 768, 1152, 7
+    w = expert_weights(H, I, seed)
+    x, tok, tw, out = case(600, H, I, n, seed)
+    ref = unfused(x, tok, tw, w, out).double()
+    g = torch.Generator().manual_seed(seed)  # expert_weights' dense weights again
+    gate_up = (torch.randn(2 * I, H, generator=g) / 8).to(BF16).double()  # [2I, H]
+    down = (torch.randn(H, I, generator=g) / 8).to(BF16).double()  # [H, I]
+    z = x[tok].double() @ gate_up.T  # [n, 2I]
+    exact = out.double().index_add(0, tok, tw.double()[:, None] * ((torch.nn.functional.silu(z[:, :I]) * z[:, I:]) @ down.T))
+    assert expert_amx.expert(x, tok, tw, w[0], w[2], out)
+    err, ref_err = (out.double() - exact).abs(), (ref - exact).abs()  # [T, H]
+    assert err.mean() <= 1.05 * ref_err.mean() and err.max() <= 1.25 * ref_err.max()
+
+
+def test_untouched_rows_stay() -> None:
+    """Only the routed tokens' rows of `out` change."""
+    w = expert_weights(64, 96, 3)
+    x, tok, tw, out = case(40, 64, 96, 9, 3)
+    before = out.clone()
+    assert expert_amx.expert(x, tok, tw, w[0], w[2], out)
+    others = torch.ones(40, dtype=torch.bool)
+    others[tok] = False
+    assert torch.equal(out[others], before[others])
+
+
+@pytest.mark.parametrize("out_features,in_features", [(2304, 768), (768, 1152), (448, 128), (64, 32)])
+def test_layout_probe_finds_onednn_blocks(out_features: int, in_features: int) -> None:
+    assert expert_amx.layout(out_features, in_features, 128) in (32, 64)
+
+
+def test_layout_probe_declines_what_the_kernel_cannot_read() -> None:
+    assert expert_amx.layout(48, 40, 128) is None  # inputs not a multiple of 32
+
+
+def test_declines_without_writing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32, too many rows, unpacked weights, a stacked width it does not take, the switch off:
+    False and `out` untouched."""
+    w = expert_weights(64, 96, 5)
+    x, tok, tw, out = case(600, 64, 96, 8, 5)
+    before = out.clone()
+    big = torch.arange(expert_amx.MAX_ROWS + 1)
+    assert not expert_amx.expert(x.float(), tok, tw, w[0], w[2], out.float())
+    assert not expert_amx.expert(x, big, torch.ones(big.shape[0]), w[0], w[2], out)
+    assert not expert_amx.expert(x, tok, tw, torch.zeros(192, 64, dtype=BF16), w[2], out)
+    plain = PackedLinear(torch.zeros(192, 64, dtype=BF16), 128)  # not stacked: no split
+    assert not expert_amx.expert(x, tok, tw, plain, w[2], out)
+    monkeypatch.setenv("MOECC_EXPERT_AMX", "0")
+    assert not expert_amx.expert(x, tok, tw, w[0], w[2], out)
+    assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize("T", [1, 37, 300])
+def test_experts_same_bits_with_and_without_it(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.experts over 8 packed silu experts, top-2, chunks of 64 rows: the fused kernel on
+    and off give the same output bits."""
+    E, H, I = 8, 64, 96
+    ws = [expert_weights(H, I, e) for e in range(E)]
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(BF16)  # [T, H]
+    top_w, top_i = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), 2)  # [T, 2]
+
+    def run() -> torch.Tensor:
+        return kernels.experts(x, top_w.to(BF16), top_i, lambda used: (ws[e] for e in used), E, "silu", 64)[0]
+
+    calls = []
+    original = expert_amx.expert
+    monkeypatch.setattr(expert_amx, "expert", lambda *a: calls.append(1) or original(*a))
+    on = run()
+    assert calls  # the fused kernel ran
+    monkeypatch.setenv("MOECC_EXPERT_AMX", "0")
+    assert torch.equal(run().view(torch.int16), on.view(torch.int16))
