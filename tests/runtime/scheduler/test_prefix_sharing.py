@@ -103,6 +103,19 @@ def test_a_common_prefix_is_computed_once_and_stays_cached():
     assert blocks.usage().blocks_cached > 0 and blocks.usage().blocks_used == 0
 
 
+def test_generated_blocks_are_reused_first_so_a_job_touches_its_peak_blocks():
+    """Only prompt blocks are kept as shareable prefixes: a finished sequence's generated blocks
+    go back to the free list, and the next sequence takes them (last in, first out), so a job of
+    one-at-a-time requests touches about one request's blocks plus the cached prompt blocks,
+    not a fresh stretch of the pool per request (every first touch a page fault on the host)."""
+    blocks = BlockAllocator(256, 4)
+    reqs = [GenRequest(f"r{i}", [100 * i + t for t in range(8)], 24) for i in range(6)]  # 2 prompt + 6 generated blocks
+    plans, _ = drive(Scheduler(blocks, reqs, max_batch=1, prefill_tokens=64), lambda s: 1)
+    touched = {b for p in plans for c in p.seqs for b in c.slot_blocks}
+    assert len(touched) <= 6 * 2 + 8, f"{len(touched)} blocks touched"  # the prompts' blocks stay cached
+    assert blocks.usage().blocks_cached == 6 * 2  # every prompt's full blocks still matchable
+
+
 def test_the_last_prompt_token_is_always_computed():
     """A prompt that is exactly a cached prefix still computes its last token (its logits)."""
     blocks = BlockAllocator(16, 4)
