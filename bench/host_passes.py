@@ -1,9 +1,13 @@
 """The host's element-wise passes against torch's own, measured in one run: the experts' silu and
 product and weighted sum (runtime/native/expert_rows.c), the rotary embedding (rope.c), the
-RMSNorm against kernels' NORM_ROWS-chunked torch passes (rmsnorm.c), and a
+RMSNorm against kernels' NORM_ROWS-chunked torch passes (rmsnorm.c), a
 layer of packed experts (kernels.experts) with its rows gathered straight into the GEMMs' padded
-row count against gathered alone. Every pair is checked bit-equal before it is timed; the two
-sides run interleaved, and the table gives medians and their ratio.
+row count against gathered alone, and, on a CPU with AMX, a step's 8 layers of packed experts
+with each expert in one fused call (expert_amx.c) against oneDNN's GEMMs and the passes between
+them (every layer's weights distinct, so they stream from memory as in a job). Every pair is
+checked bit-equal before it is timed (the fused experts: as close to the exact result as the
+unfused path, since oneDNN splits these GEMMs' sums between threads); the two sides run
+interleaved, and the table gives medians and their ratio.
 
     python bench/host_passes.py [--rows 128,2048] [--tokens 96,512,8192] [--repeats 7] [--json PATH]
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -24,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moecc_runtime.memory.packed_weights import PackedLinear
-from moecc_runtime.native import expert_rows, rmsnorm, rope
+from moecc_runtime.native import expert_amx, expert_rows, rmsnorm, rope
 from moecc_runtime.worker import kernels
 
 H, I, E, K, HQ, HKV, D = 768, 1152, 8, 2, 8, 2, 96
@@ -138,10 +143,57 @@ def experts_layer(tokens: int, repeats: int) -> dict[str, Any]:
             kernels._gather_rows = padded
 
     alone = lambda x, tok, w: x.index_select(0, tok)  # noqa: E731
-    assert torch.equal(run(padded), run(alone))
-    native, ref = timed_pair(lambda: run(padded), lambda: run(alone), repeats)
+    fused = os.environ.get("MOECC_EXPERT_AMX")
+    os.environ["MOECC_EXPERT_AMX"] = "0"  # the GEMMs' own inputs (the fused expert gathers its own)
+    try:
+        assert torch.equal(run(padded), run(alone))
+        native, ref = timed_pair(lambda: run(padded), lambda: run(alone), repeats)
+    finally:
+        os.environ.pop("MOECC_EXPERT_AMX") if fused is None else os.environ.update(MOECC_EXPERT_AMX=fused)
     return {"pass": "a layer of packed experts, rows gathered into the GEMMs' padded rows",
             "shape": f"{tokens} tokens, {E} experts top-{K}", "native_ms": native, "torch_ms": ref}
+
+
+def fused_experts_step(tokens: int, repeats: int, layers: int = 8) -> dict[str, Any]:
+    """A decode step's experts over `layers` layers of distinct weights: each expert one fused AMX
+    call (expert_amx.c) against oneDNN's two GEMMs and the passes between them; ms per layer."""
+    g = torch.Generator().manual_seed(1)
+    banks = [[(PackedLinear((torch.randn(2 * I, H, generator=g) * 0.02).to(torch.bfloat16), 128, split=I,
+                            sections=(I, I)), None,
+               PackedLinear((torch.randn(H, I, generator=g) * 0.02).to(torch.bfloat16), 128)) for _ in range(E)]
+             for _ in range(layers)]
+    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)  # [T, H]
+    top_w, top_i = torch.topk(torch.randn(tokens, E, generator=g).softmax(-1), K)  # [T, k]
+
+    def step(amx: str) -> list[torch.Tensor]:
+        os.environ["MOECC_EXPERT_AMX"] = amx
+        return [kernels.experts(x, top_w, top_i, lambda used, b=bank: (b[e] for e in used), E, "silu", 4096)[0]
+                for bank in banks]
+
+    before = os.environ.get("MOECC_EXPERT_AMX")
+    try:
+        exact = _exact_experts(x, top_w, top_i, banks[0])
+        err = [(o.double() - exact).abs().mean().item() for o in (step("1")[0], step("0")[0])]
+        assert err[0] <= 1.05 * err[1], f"the fused experts' mean error {err[0]} against the unfused {err[1]}"
+        native, ref = timed_pair(lambda: step("1"), lambda: step("0"), repeats)
+    finally:
+        os.environ.pop("MOECC_EXPERT_AMX") if before is None else os.environ.update(MOECC_EXPERT_AMX=before)
+    return {"pass": "a step's packed experts, each one fused AMX call (ms a layer)",
+            "shape": f"{tokens} tokens, {E} experts top-{K}", "native_ms": native / layers, "torch_ms": ref / layers}
+
+
+def _exact_experts(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, bank: list) -> torch.Tensor:
+    """The layer's experts in fp64 from the same bf16 weights (oneDNN's packed copies unpacked)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)  # [T, H]
+    for e, (gu, _, down) in enumerate(bank):
+        tok, slot = (top_i == e).nonzero(as_tuple=True)
+        if not tok.numel():
+            continue
+        gu_w, down_w = gu.packed.to_dense().double(), down.packed.to_dense().double()  # [2I, H], [H, I]
+        z = x[tok].double() @ gu_w.T  # [n, 2I]
+        y = (F.silu(z[:, :I]) * z[:, I:]) @ down_w.T  # [n, H]
+        out.index_add_(0, tok, top_w[tok, slot].double()[:, None] * y)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     table += [rope_rows(t, dt, a.repeats) for t in tokens for dt in (torch.bfloat16, torch.float32)]
     table += [norm_rows(t, dt, a.repeats) for t in tokens for dt in (torch.bfloat16, torch.float32)]
     table += [experts_layer(t, a.repeats) for t in tokens]
+    if expert_amx._module() is not None:
+        table += [fused_experts_step(t, a.repeats) for t in tokens if t <= 4 * expert_amx.MAX_ROWS]
     print(f"{'pass':<70} {'shape':<30} {'new ms':>8} {'before ms':>9} {'x':>6}")
     for r in table:
         r["speedup"] = r["torch_ms"] / r["native_ms"]
