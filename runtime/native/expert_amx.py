@@ -15,6 +15,7 @@ splits the inputs between threads (then the bits of a sum may differ in the last
 
 from __future__ import annotations
 
+import ctypes
 import os
 from functools import lru_cache
 from typing import Any
@@ -49,40 +50,39 @@ def _raw(packed: torch.Tensor) -> int:
 @lru_cache(maxsize=None)
 def layout(out_features: int, in_features: int, rows_hint: int) -> int | None:
     """NB of the AB16b{NB}a2b layout oneDNN packs a bf16 [out, in] weight in (`rows_hint` as
-    PackedLinear passes it), found by packing probe weights whose values are their own indices
-    and reading where each landed; None: another layout (the kernel does not read it)."""
+    PackedLinear passes it), found by packing a probe weight: zero but for up to 256 marked
+    elements (every output residue mod 128 and every input residue mod 32 among them, the rest
+    drawn at random), each an integer of its own, and finding each where the layout puts it
+    (and nothing else anywhere). None: another layout (the kernel does not read it)."""
     from moecc_runtime.memory.packed_weights import PackedLinear  # memory imports native
 
     n_out, k_in = out_features, in_features
     if k_in % 32 or n_out % 16:
         return None
-    n = torch.arange(n_out)[:, None].expand(n_out, k_in)  # [N, K]
-    k = torch.arange(k_in)[None, :].expand(n_out, k_in)
-
-    def packed(values: torch.Tensor) -> torch.Tensor | None:  # [N*K] fp32 as oneDNN laid them out
-        p = PackedLinear(values.to(torch.bfloat16), rows_hint).packed
-        if torch.ops.mkldnn._nbytes(p) != n_out * k_in * 2:
-            return None
-        return torch.frombuffer(_bytes(p), dtype=torch.bfloat16).float()
-
-    parts = [packed(v) for v in (n % 256, n // 256, k % 256, k // 256)]  # exact in bf16: integers < 256
-    if any(p is None for p in parts):
+    g = torch.Generator().manual_seed(0)
+    n = torch.cat([torch.arange(128) % n_out, torch.randint(0, n_out, (128,), generator=g)])  # [256]
+    k = torch.cat([torch.arange(128) % k_in, torch.randint(0, k_in, (128,), generator=g)])
+    marked = sorted(set(zip(n.tolist(), k.tolist())))  # distinct (output, input) pairs
+    n, k = torch.tensor([p[0] for p in marked]), torch.tensor([p[1] for p in marked])  # [m]
+    value = torch.arange(1, len(marked) + 1, dtype=torch.float32)  # [m]: integers <= 256, exact in bf16
+    probe = torch.zeros(n_out, k_in)
+    probe[n, k] = value
+    packed = PackedLinear(probe.to(torch.bfloat16), rows_hint).packed
+    if torch.ops.mkldnn._nbytes(packed) != n_out * k_in * 2:
         return None
-    got_n, got_k = parts[0] + 256 * parts[1], parts[2] + 256 * parts[3]
+    got = torch.frombuffer(_bytes(packed), dtype=torch.bfloat16).float()  # [N*K] as oneDNN laid them out
+    if int(torch.count_nonzero(got)) != len(marked):
+        return None
     for nb in _NB:
-        if n_out % nb:
-            continue
-        at = ((n // nb) * (k_in // 16) + k // 16) * 16 * nb + ((k % 16) // 2) * nb * 2 + (n % nb) * 2 + k % 2  # [N, K]
-        want_n, want_k = torch.empty(n_out * k_in), torch.empty(n_out * k_in)
-        want_n[at.reshape(-1)], want_k[at.reshape(-1)] = n.reshape(-1).float(), k.reshape(-1).float()
-        if torch.equal(want_n, got_n) and torch.equal(want_k, got_k):
-            return nb
+        if n_out % nb == 0:
+            at = ((n // nb) * (k_in // 16) + k // 16) * 16 * nb + ((k % 16) // 2) * nb * 2 + (n % nb) * 2 + k % 2  # [m]
+            if torch.equal(got[at], value):
+                return nb
     return None
 
 
 def _bytes(packed: torch.Tensor) -> bytearray:
-    import ctypes
-
+    """A copy of an opaque oneDNN tensor's bytes."""
     nbytes = int(torch.ops.mkldnn._nbytes(packed))
     return bytearray((ctypes.c_char * nbytes).from_address(_raw(packed)))
 
