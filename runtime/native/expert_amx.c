@@ -20,12 +20,13 @@
  * to bf16; silu from the same table (expert_rows.py's, torch's F.silu of every bf16 value),
  * times up, rounded; the down row rounded, times tw (fp32), rounded, then added, rounded.
  *
- * Work: three parallel passes on torch's OpenMP team (cpu.h): the gather by rows; gate/up by
- * 16-output slices, each thread a contiguous run of them; down by 32-output slices. Each pass
- * asks for the next slice's weight lines a few at a time while it computes the current one
- * (weights stream from memory once a step; paced so the line fill buffers never fill).
- * x86-64 with GCC 11 / Clang 12 or newer only (the AMX target); elsewhere `moecc_expert_amx`
- * returns 2 and the caller runs torch's path.
+ * Work: three parallel passes on torch's OpenMP team (cpu.h): the gather by rows; gate/up by units
+ * of nb outputs of each half, down by units of nb outputs, each thread a contiguous run of units.
+ * A unit's inputs run in blocks of KBLK steps over all row tiles (its weight tiles for a block
+ * are read from memory once, from L1 for the other row tiles), and the next unit's weight block
+ * (a contiguous run per half) is asked for a few lines at each step, paced so the line fill buffers
+ * never fill. Linux x86-64 with GCC 11 / Clang 12 or newer only (the AMX target, arch_prctl's
+ * permission); elsewhere `moecc_expert_amx` returns 2 and the caller runs torch's path.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -38,7 +39,7 @@
 #include "cpu.h"
 #include "py_args.h"
 
-#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+#if defined(__x86_64__) && defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || \
                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define HAVE_AMX 1
 #include <immintrin.h>

@@ -1,16 +1,16 @@
 """A routed expert's whole gated MLP in one native call on a CPU with AMX (expert_amx.c,
 `moecc_runtime.native._expert_amx`): the gather of its rows, gate and up with silu * up, down,
 and the weighted add into the layer's output, over the weights oneDNN packed for its own GEMM
-(no second copy). At a decode step's 16-256 rows an expert's GEMMs are short and its weights
+(no second copy). At a decode step's 16-512 rows an expert's GEMMs are short and its weights
 stream from memory; oneDNN's GEMM plus the element-wise passes between them (expert_rows.py)
 spend ~30% of the expert's time outside the GEMMs, which this call does not.
 
 `expert` returns False, having done nothing, where it does not apply: not built, no AMX here
 (or MOECC_NO_NATIVE / MOECC_EXPERT_AMX=0), not bf16, a silu-gated expert whose weights are not
-both `PackedLinear` in a layout the probe recognised, more than `MAX_ROWS` rows, sizes not in
-multiples of 32. The caller then runs its own path. Results: torch's roundings for the same ops
-(expert_amx.c); the GEMMs' fp32 sums in input order, which oneDNN's GEMM also uses except where it
-splits the inputs between threads (then the bits of a sum may differ in the last place).
+both `PackedLinear` in a layout the probe recognised, sizes not in multiples of 32. The caller
+then runs its own path. Results: torch's roundings for the same ops (expert_amx.c); the GEMMs'
+fp32 sums in input order, which oneDNN's GEMM also uses except where it splits the inputs between
+threads (then the bits of a sum may differ in the last place).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from moecc_runtime.native import extension
 from moecc_runtime.native.expert_rows import _silu_table
 
-MAX_ROWS = 512  #: rows per call (the kernel's own limit)
+MAX_ROWS = 512  #: rows per native call (expert_amx.c's MAX_ROWS); more run as several calls
 _NB = (32, 64)  #: output blocks of oneDNN's AB16b{NB}a2b bf16 layouts the kernel reads
 
 
@@ -39,7 +39,9 @@ def _module() -> Any:
 
 @lru_cache(maxsize=None)
 def _ready(mod: Any) -> bool:
-    return bool(mod.ready())
+    """The CPU and OS run AMX tiles, and this torch lets its oneDNN tensors' bytes be read."""
+    ops = torch.ops.mkldnn
+    return bool(mod.ready()) and hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")
 
 
 def _raw(packed: torch.Tensor) -> int:
@@ -89,23 +91,33 @@ def _bytes(packed: torch.Tensor) -> bytearray:
 
 def expert(x: torch.Tensor, tok: torch.Tensor, tw: torch.Tensor, gate_up: Any, down: Any,
            out: torch.Tensor) -> bool:
-    """out[tok[i]] += tw[i] * down(silu(gate(x[tok[i]])) * up(x[tok[i]])) for every i, in one call.
-    x/out: [T, H] bf16  tok: [n] int64, distinct  tw: [n] fp32  gate_up: a stacked PackedLinear
-    [2I, H] (`split` I)  down: a PackedLinear [H, I]. False: not done (module docstring)."""
+    """out[tok[i]] += tw[i] * down(silu(gate(x[tok[i]])) * up(x[tok[i]])) for every i: one native
+    call per MAX_ROWS rows (prefill's thousands of rows too: at 1,024 rows an expert 1.27x
+    oneDNN's GEMMs and passes, at 3,072 even). x/out: [T, H] bf16  tok: [n] int64, distinct
+    tw: [n] fp32  gate_up: a stacked PackedLinear [2I, H] (`split` I)  down: a PackedLinear [H, I].
+    False: not done, nothing written (module docstring)."""
     mod = _module()
-    if mod is None or not 0 < tok.shape[0] <= MAX_ROWS or x.dtype != torch.bfloat16 or out.dtype != x.dtype:
+    n = tok.shape[0]
+    if (mod is None or n == 0 or x.dtype != torch.bfloat16 or out.dtype != x.dtype or tok.dtype != torch.int64
+            or x.device.type != "cpu" or x.dim() != 2 or out.dim() != 2 or x.stride(1) != 1 or out.stride(1) != 1):
         return False
     nb = _weights(gate_up, down)
-    if nb is None or x.device.type != "cpu" or x.stride(1) != 1 or out.stride(1) != 1:
+    if nb is None or x.shape[1] != gate_up.in_features or out.shape[1] != x.shape[1]:
         return False
-    n, H, inter = tok.shape[0], x.shape[1], down.in_features
-    rows = -(-n // 16) * 16
+    H, inter = x.shape[1], down.in_features
+    rows = -(-min(n, MAX_ROWS) // 16) * 16
     a, h = x.new_empty((rows, H)), x.new_empty((rows, inter))  # [Mp, H], [Mp, I]: the kernel's scratch
     tok, tw = tok.contiguous(), tw.to(torch.float32).contiguous()
-    rc = mod.expert(x.data_ptr(), x.stride(0), tok.data_ptr(), tw.data_ptr(), n, H, inter,
-                    _raw(gate_up.packed), nb[0], _raw(down.packed), nb[1], _silu_table().data_ptr(),
-                    a.data_ptr(), h.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
-    return rc == 0
+    gu_at, down_at, lut = _raw(gate_up.packed), _raw(down.packed), _silu_table().data_ptr()
+    for s in range(0, n, MAX_ROWS):
+        m = min(MAX_ROWS, n - s)
+        rc = mod.expert(x.data_ptr(), x.stride(0), tok.data_ptr() + 8 * s, tw.data_ptr() + 4 * s, m, H, inter,
+                        gu_at, nb[0], down_at, nb[1], lut, a.data_ptr(), h.data_ptr(), out.data_ptr(), out.stride(0),
+                        torch.get_num_threads())
+        if rc != 0:  # the same checks pass or fail for every part: only the first can decline
+            assert s == 0, f"expert_amx: part {s // MAX_ROWS} declined ({rc}) after the first ran"
+            return False
+    return True
 
 
 def _weights(gate_up: Any, down: Any) -> tuple[int, int] | None:

@@ -433,10 +433,10 @@ def experts(
     `fetch(used)` yields each used expert's weights in order (it may prefetch ahead: it
     learns the whole list first); `mlp` is what an expert computes from them (an activation
     name: the gated MLP over (gate, up, down); see expert_mlp). A silu expert whose weights
-    are packed for oneDNN runs each chunk of up to 512 rows as one native call on a CPU with AMX
+    are packed for oneDNN runs as one native call per 512 rows on a CPU with AMX
     (native/expert_amx.py: the gather, both GEMMs, silu * up and the weighted add, fused).
     x: [T, H]  top_w/top_i: [T, k] -> ([T, H], experts run)."""
-    fused = mlp == "silu"  # the whole expert in one native call where it applies (expert_amx.py)
+    fused = isinstance(mlp, str) and ACTIVATIONS.get(mlp) is F.silu  # one native call where it applies (expert_amx.py)
     if isinstance(mlp, str):
         act = mlp
         mlp = lambda rows, w: gated_mlp(rows, *w, act)  # noqa: E731

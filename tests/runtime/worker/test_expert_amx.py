@@ -103,20 +103,31 @@ def test_layout_probe_declines_what_the_kernel_cannot_read() -> None:
 
 
 def test_declines_without_writing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp32, too many rows, unpacked weights, a stacked width it does not take, the switch off:
-    False and `out` untouched."""
+    """fp32, int32 tokens, unpacked weights, a stacked width it does not take, rows of another
+    width than the weights', the switch off: False and `out` untouched."""
     w = expert_weights(64, 96, 5)
     x, tok, tw, out = case(600, 64, 96, 8, 5)
     before = out.clone()
-    big = torch.arange(expert_amx.MAX_ROWS + 1)
     assert not expert_amx.expert(x.float(), tok, tw, w[0], w[2], out.float())
-    assert not expert_amx.expert(x, big, torch.ones(big.shape[0]), w[0], w[2], out)
+    assert not expert_amx.expert(x, tok.int(), tw, w[0], w[2], out)
     assert not expert_amx.expert(x, tok, tw, torch.zeros(192, 64, dtype=BF16), w[2], out)
     plain = PackedLinear(torch.zeros(192, 64, dtype=BF16), 128)  # not stacked: no split
     assert not expert_amx.expert(x, tok, tw, plain, w[2], out)
+    wide = torch.zeros(600, 96, dtype=BF16)  # [T, 96]: not the weights' 64 inputs
+    assert not expert_amx.expert(wide, tok, tw, w[0], w[2], wide.clone())
     monkeypatch.setenv("MOECC_EXPERT_AMX", "0")
     assert not expert_amx.expert(x, tok, tw, w[0], w[2], out)
     assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize("n", [expert_amx.MAX_ROWS + 1, 3 * expert_amx.MAX_ROWS - 5])
+def test_more_rows_than_a_call_run_as_several(n: int) -> None:
+    """Prefill's thousands of rows: one call per MAX_ROWS rows, the same bits as the unfused path."""
+    w = expert_weights(64, 96, 9)
+    x, tok, tw, out = case(2000, 64, 96, n, 9)
+    ref = unfused(x, tok, tw, w, out)
+    assert expert_amx.expert(x, tok, tw, w[0], w[2], out)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
 
 
 @pytest.mark.parametrize("T", [1, 37, 300])
