@@ -22,8 +22,9 @@ import json
 import os
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,20 @@ from moecc_runtime.native import expert_amx, expert_rows, rmsnorm, rope
 from moecc_runtime.worker import kernels
 
 H, I, E, K, HQ, HKV, D = 768, 1152, 8, 2, 8, 2, 96
+
+
+@contextmanager
+def fused_expert(on: str) -> Iterator[None]:
+    """MOECC_EXPERT_AMX set to `on` ("1" or "0") inside, as it was after."""
+    before = os.environ.get("MOECC_EXPERT_AMX")
+    os.environ["MOECC_EXPERT_AMX"] = on
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MOECC_EXPERT_AMX")
+        else:
+            os.environ["MOECC_EXPERT_AMX"] = before
 
 
 def timed_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -143,13 +158,9 @@ def experts_layer(tokens: int, repeats: int) -> dict[str, Any]:
             kernels._gather_rows = padded
 
     alone = lambda x, tok, w: x.index_select(0, tok)  # noqa: E731
-    fused = os.environ.get("MOECC_EXPERT_AMX")
-    os.environ["MOECC_EXPERT_AMX"] = "0"  # the GEMMs' own inputs (the fused expert gathers its own)
-    try:
+    with fused_expert("0"):  # the GEMMs' own inputs (the fused expert gathers its own)
         assert torch.equal(run(padded), run(alone))
         native, ref = timed_pair(lambda: run(padded), lambda: run(alone), repeats)
-    finally:
-        os.environ.pop("MOECC_EXPERT_AMX") if fused is None else os.environ.update(MOECC_EXPERT_AMX=fused)
     return {"pass": "a layer of packed experts, rows gathered into the GEMMs' padded rows",
             "shape": f"{tokens} tokens, {E} experts top-{K}", "native_ms": native, "torch_ms": ref}
 
@@ -166,18 +177,14 @@ def fused_experts_step(tokens: int, repeats: int, layers: int = 8) -> dict[str, 
     top_w, top_i = torch.topk(torch.randn(tokens, E, generator=g).softmax(-1), K)  # [T, k]
 
     def step(amx: str) -> list[torch.Tensor]:
-        os.environ["MOECC_EXPERT_AMX"] = amx
-        return [kernels.experts(x, top_w, top_i, lambda used, b=bank: (b[e] for e in used), E, "silu", 4096)[0]
-                for bank in banks]
+        with fused_expert(amx):
+            return [kernels.experts(x, top_w, top_i, lambda used, b=bank: (b[e] for e in used), E, "silu", 4096)[0]
+                    for bank in banks]
 
-    before = os.environ.get("MOECC_EXPERT_AMX")
-    try:
-        exact = _exact_experts(x, top_w, top_i, banks[0])
-        err = [(o.double() - exact).abs().mean().item() for o in (step("1")[0], step("0")[0])]
-        assert err[0] <= 1.05 * err[1], f"the fused experts' mean error {err[0]} against the unfused {err[1]}"
-        native, ref = timed_pair(lambda: step("1"), lambda: step("0"), repeats)
-    finally:
-        os.environ.pop("MOECC_EXPERT_AMX") if before is None else os.environ.update(MOECC_EXPERT_AMX=before)
+    exact = _exact_experts(x, top_w, top_i, banks[0])
+    err = [(o.double() - exact).abs().mean().item() for o in (step("1")[0], step("0")[0])]
+    assert err[0] <= 1.05 * err[1], f"the fused experts' mean error {err[0]} against the unfused {err[1]}"
+    native, ref = timed_pair(lambda: step("1"), lambda: step("0"), repeats)
     return {"pass": "a step's packed experts, each one fused AMX call (ms a layer)",
             "shape": f"{tokens} tokens, {E} experts top-{K}", "native_ms": native / layers, "torch_ms": ref / layers}
 

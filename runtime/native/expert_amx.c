@@ -20,8 +20,9 @@
  * to bf16; silu from the same table (expert_rows.py's, torch's F.silu of every bf16 value),
  * times up, rounded; the down row rounded, times tw (fp32), rounded, then added, rounded.
  *
- * Work: three parallel passes on torch's OpenMP team (cpu.h): the gather by rows; gate/up by units
- * of nb outputs of each half, down by units of nb outputs, each thread a contiguous run of units.
+ * Work: three parallel passes on torch's OpenMP team (cpu.h): the gather by rows (row_items.h);
+ * gate/up by units of nb outputs of each half, down by units of nb outputs, each thread a
+ * contiguous run of units.
  * A unit's inputs run in blocks of KBLK steps over all row tiles (its weight tiles for a block
  * are read from memory once, from L1 for the other row tiles), and the next unit's weight block
  * (a contiguous run per half) is asked for a few lines at each step, paced so the line fill buffers
@@ -30,7 +31,6 @@
  */
 #define _GNU_SOURCE
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include <Python.h>
@@ -38,6 +38,7 @@
 #include "bf16.h"
 #include "cpu.h"
 #include "py_args.h"
+#include "row_items.h"
 
 #if defined(__x86_64__) && defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || \
                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
@@ -62,6 +63,7 @@ typedef struct {
     int nth; int64_t next;                   /* threads; the next thread index to hand out */
 } Job;
 
+#ifdef HAVE_AMX
 /* The next run [*lo, *hi) of `items` split into j->nth contiguous runs, taken by whichever thread
  * asks first (each thread of a full team takes one); 0 when all are taken. */
 static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
@@ -72,19 +74,18 @@ static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
     return 1;
 }
 
-static void *gather_rows(void *arg) {
-    Job *j = (Job *)arg;
-    int64_t r0, r1;
-    while (next_run(j, j->mp, &r0, &r1))
-        for (int64_t r = r0; r < r1; r++) {
-            uint16_t *dst = j->a + r * j->H;
-            if (r < j->n) memcpy(dst, j->x + j->tok[r] * j->ldx, (size_t)j->H * 2);
-            else memset(dst, 0, (size_t)j->H * 2);
-        }
-    return NULL;
-}
+/* The gather: rows [r0, r1) of a (x's rows tok[r], then zero rows up to Mp), on row_items.h's
+ * threads. */
+#define GATHER_BODY                                                                   \
+    const Job *j = (const Job *)job;                                                  \
+    for (int64_t r = r0; r < r1; r++) {                                               \
+        uint16_t *dst = j->a + r * j->H;                                              \
+        if (r < j->n) memcpy(dst, j->x + j->tok[r] * j->ldx, (size_t)j->H * 2);       \
+        else memset(dst, 0, (size_t)j->H * 2);                                        \
+    }
 
-#ifdef HAVE_AMX
+ROW_ITEMS_BUILDS(GATHER_BODY)
+
 typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileCfg;
 
 AMX_TARGET static void tiles_on(void) {
@@ -277,8 +278,7 @@ int moecc_expert_amx(const uint16_t *x, int64_t ldx, const int64_t *tok, const f
         return 1;
     Job j = {x, ldx, tok, tw, n, (n + 15) / 16 * 16, H, I, gu, nb_gu, dn, nb_dn, lut, a, h, out, ldo, 1, 0};
     j.nth = nthreads < 1 ? 1 : nthreads;
-    run_threads(gather_rows, &j, j.nth, j.nth);
-    j.next = 0;
+    run_row_items(&j, rows_avx2, rows_base, j.mp, j.H, j.nth);
     run_threads(gate_up, &j, j.nth, j.nth);
     j.next = 0;
     run_threads(down, &j, j.nth, j.nth);
