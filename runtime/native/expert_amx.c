@@ -24,7 +24,9 @@
  * gate/up by units of nb outputs of each half, down by units of nb outputs, each thread a
  * contiguous run of units.
  * A unit's inputs run in blocks of KBLK steps over all row tiles (its weight tiles for a block
- * are read from memory once, from L1 for the other row tiles), and the next unit's weight block
+ * are read from memory once, from L1 for the other row tiles); gate/up takes 32 outputs of a half
+ * at a time, both 64-byte halves of the packed 128-byte rows, so the weights stream as whole
+ * lines in address order (not alternate halves of each line in two passes); the next unit's weight block
  * (a contiguous run per half) is asked for a few lines at each step, paced so the line fill buffers
  * never fill. Linux x86-64 with GCC 11 / Clang 12 or newer only (the AMX target, arch_prctl's
  * permission); elsewhere `moecc_expert_amx` returns 2 and the caller runs torch's path.
@@ -193,24 +195,33 @@ AMX_TARGET static inline void scale_add16(uint16_t *o, const float *c, __m512 w)
 }
 
 /* Gate and up by units of nb outputs of each (one block of the gate half, the same block of
- * the up half); h's columns of the unit for every row. */
+ * the up half); h's columns of the unit for every row. Each 32 outputs of a half run as one
+ * slice_tiles pass (its two column tiles are the two 64-byte halves of the block's 128-byte rows
+ * at nb 32), gate then up: each weight line is read whole, in order, once. */
 AMX_TARGET static void *gate_up(void *arg) {
     Job *j = (Job *)arg;
     tiles_on();
     const int64_t K = j->H, KB = K / 32, MT = j->mp / 16, I = j->I;
     const int nb = j->nb_gu;
     const int64_t run = K * nb, steps = (nb / 16) * ((MT + 1) / 2) * KB;
-    float cb[MAX_ROWS / 16][2][256] __attribute__((aligned(64)));  /* [row tile][column tile] */
+    float cg[MAX_ROWS / 16][2][256] __attribute__((aligned(64)));  /* gate: [row tile][column tile] */
+    float cu[MAX_ROWS / 16][2][256] __attribute__((aligned(64)));  /* up */
     int64_t u0, u1;
     while (next_run(j, I / nb, &u0, &u1))
         for (int64_t un = u0; un < u1; un++) {
             Pf pf = pf_blocks(j->gu, (un + 1) * run, (I / nb + un + 1) * run, run * 2, steps, un + 1 >= u1);
-            for (int64_t s = un * nb / 16; s < (un + 1) * nb / 16; s++) {
-                const uint16_t *g = j->gu + tile_at(16 * s, 0, K, nb), *u = j->gu + tile_at(I + 16 * s, 0, K, nb);
-                slice_tiles(j->a, K, MT, g, u, 32 * nb, nb * 4, KB, &pf, cb);
+            for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++) {
+                const int64_t o = 32 * s;  /* the slice's first output of each half */
+                slice_tiles(j->a, K, MT, j->gu + tile_at(o, 0, K, nb), j->gu + tile_at(o + 16, 0, K, nb), 32 * nb,
+                            nb * 4, KB, &pf, cg);
+                slice_tiles(j->a, K, MT, j->gu + tile_at(I + o, 0, K, nb), j->gu + tile_at(I + o + 16, 0, K, nb),
+                            32 * nb, nb * 4, KB, &pf, cu);
                 for (int64_t m = 0; m < MT; m++)
-                    for (int r = 0; r < 16; r++)
-                        silu_mul16(j->h + (m * 16 + r) * I + 16 * s, cb[m][0] + r * 16, cb[m][1] + r * 16, j->lut);
+                    for (int r = 0; r < 16; r++) {
+                        uint16_t *hr = j->h + (m * 16 + r) * I + o;
+                        silu_mul16(hr, cg[m][0] + r * 16, cu[m][0] + r * 16, j->lut);
+                        silu_mul16(hr + 16, cg[m][1] + r * 16, cu[m][1] + r * 16, j->lut);
+                    }
             }
         }
     _tile_release();
