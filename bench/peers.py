@@ -13,7 +13,9 @@ What `run` does:
   2. writes the job's prompts as token ids (bench/throughput.py's workloads; seeded), every
      request generating exactly its max_tokens (min_tokens / ignore_eos for the peers);
   3. runs each engine in a subprocess, one after another, nothing else on the cores:
-     moecc (`compile --prompts`, `exec --stats`: the job's seconds after the model load, which
+     moecc (`compile --prompts`, `exec --stats`: the job's seconds after its start-up (the model
+     load and its KV pool's pages for the first wave committed, as vLLM allocates and zeroes its
+     KV cache in its own start-up), which
      count the scheduler, sampling and result writing as a peer's timed generate does; the
      worker's steps alone and the exec wall with load in the notes; `--moecc-dtype fastest`
      adds a row computing an fp32 model in bf16),
@@ -121,6 +123,7 @@ def run_moecc(model: Path, prompts: Path, work: Path, dtype: str, max_batch: int
     return {"engine": f"moecc (--dtype {dtype})", "tokens": tokens, "seconds": run_s, "load_seconds": s["load_seconds"],
             "step_seconds": eng["seconds"], "tokens_per_s": tokens / run_s,
             "step_tokens_per_s": tokens / eng["seconds"], "wall_with_load_tokens_per_s": tokens / wall,
+            "kv_prefault_seconds": eng.get("kv_prefault_seconds", 0.0), "kv_prefault_bytes": eng.get("kv_prefault_bytes", 0),
             "steady_decode_tokens_per_s": steady, **roof,
             "steady_decode_of_roofline": steady / roof["roofline_tokens_per_s"] if steady else None,
             "packed_weight_bytes": eng.get("packed_weight_bytes", 0)}

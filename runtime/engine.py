@@ -14,13 +14,15 @@ in flight) or "stop" (return now; in-flight requests are dropped unfinished).
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
 from moecc_runtime.contract.plan_types import PlanView
-from moecc_runtime.memory.kv import pool_geometry
+from moecc_runtime.memory.kv import first_wave_blocks, pool_geometry
 from moecc_runtime.sampling import NOT_FINITE, Masks, SamplingError, request_generator, sample
 from moecc_runtime.sampling.logprobs import LogprobEntry, prompt_logprobs, step_logprobs
 from moecc_runtime.scheduler.blocks import BlockAllocator
@@ -52,6 +54,18 @@ class Engine:
         self.worker = Worker(plan, model_dir, device, expert_chunk=expert_chunk, attn_micro_batch=attn_micro_batch,
                              kv=geo, record_steps=record_steps, plan_path=plan_path, attention=attention,
                              keep_on_device=keep_on_device, view=self.view)
+
+    def prefault_kv(self, requests: int | None) -> int:
+        """Commit the KV pool's pages for the job's first wave (memory/kv.py first_wave_blocks:
+        `requests` the job will run, None if unknown) before its first step, as part of start-up;
+        MOECC_KV_PREFAULT=0 leaves them to the steps' first touch. Returns the bytes touched."""
+        if os.environ.get("MOECC_KV_PREFAULT", "1").strip() == "0":
+            return 0
+        start = time.perf_counter()
+        kv = self.worker.kv
+        done = kv.prefault(first_wave_blocks(self.view, kv.num_blocks, kv.block_size, requests))
+        self.stats.kv_prefault_bytes, self.stats.kv_prefault_seconds = done, time.perf_counter() - start
+        return done
 
     @property
     def plan(self) -> dict[str, Any]:

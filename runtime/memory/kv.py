@@ -19,7 +19,8 @@ pinned buffers, an event recorded, and scattered into the pool only when somethi
 the pool (`flush`: the host attention of that layer, the end of the step). On a CPU run
 `store` is `write`, at once. So pinning the pool would only lock (and commit at start-up)
 memory the weights' page cache needs; `KVPool(pin=True)` still does, for callers that DMA
-from it themselves.
+from it themselves. A job commits only its first wave's blocks at start-up (`prefault`,
+`first_wave_blocks`: `moecc exec` through Engine.prefault_kv), the rest on first use.
 
 The pool is sized for the machine it runs on (`fit_to_host`, from `pool_geometry`): a
 plan compiled elsewhere (or when more memory was free) whose pool does not fit this machine's
@@ -89,6 +90,13 @@ def fit_to_host(geo: KVGeometry, B: int, seq_len: int, other: int, available: in
     return dataclasses.replace(geo, num_blocks=int(fit))
 
 
+def first_wave_blocks(plan: PlanView, num_blocks: int, block_size: int, requests: int | None) -> int:
+    """Blocks a job's first wave holds: min(B, `requests`) sequences (B: the plan's decode batch;
+    `requests` None: unknown, B) of the plan's workload length, at most the pool."""
+    seqs = plan.decode.B if requests is None else min(plan.decode.B, max(0, int(requests)))
+    return min(num_blocks, seqs * seq_blocks(plan.workload.seq_len, block_size))
+
+
 @dataclass
 class _PendingStore:
     """K/V of one micro-batch on their way device->host (`KVPool.store`)."""
@@ -136,6 +144,20 @@ class KVPool:
         every device (see the module docstring: nothing DMAs from it)."""
         return cls(geo.layers, geo.heads, geo.key_dim, block_size=geo.block_size, num_blocks=geo.num_blocks,
                    dtype=dtype, device="cpu", v_head_dim=geo.value_dim, pin=False)
+
+    def prefault(self, blocks: int) -> int:
+        """Commit (and zero) the pages of blocks [0, blocks) in every layer and head, before a
+        job's first step, so its steps do not pay their first touch (the allocator hands out block
+        0 first and reuses freed blocks last in, first out: a job's first wave lives there; a
+        page first touched can cost far more than its zeroing, e.g. a huge page a virtual
+        machine's host has yet to back). Returns the bytes touched: 0 for a pinned pool (resident
+        since registration) or one on a device."""
+        n = max(0, min(int(blocks), self.num_blocks))
+        if n == 0 or self.pinned or self.k.device.type != "cpu":
+            return 0
+        self.k[:, :, :n].zero_()  # [L, Hkv, n, bs, D]
+        self.v[:, :, :n].zero_()
+        return n * self.bytes_per_block
 
     def zero(self, blocks: list[int]) -> None:
         """Zero `blocks` in every layer, so the unwritten tail of a sequence's last block (read,

@@ -55,6 +55,8 @@ class EngineStats:
     copy_bytes: int = 0
     arena_bytes: int = 0  # the device arena's size (0: no arena, weights read in place)
     packed_weight_bytes: int = 0  # weights laid out for the host GEMM at start-up (memory/packed_weights.py)
+    kv_prefault_bytes: int = 0  # KV pool pages committed at start-up for the first wave (Engine.prefault_kv)
+    kv_prefault_seconds: float = 0.0
     peak_device_bytes: int = 0  # arena bytes used at the peak (+ CUDA temporaries on CUDA)
     arena_usage: dict[str, int] = field(default_factory=dict)  # region -> highest byte used
     peak_allocated_bytes: int = 0  # CUDA: torch.cuda.max_memory_allocated (live tensors, arena included)

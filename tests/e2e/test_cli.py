@@ -492,5 +492,7 @@ def test_token_id_prompts_and_stats_file(env: Env, runs: dict[str, Future], tmp_
     recs = data["engine"]["records"]
     assert data["completion_tokens"] == 8 and len(recs) == data["engine"]["steps"] >= 4
     assert 0 < data["load_seconds"] < data["seconds"] <= data["wall_seconds"]  # load, then the run, inside the job
+    # the first wave's KV pages committed in start-up (3 requests), not by the steps
+    assert data["engine"]["kv_prefault_bytes"] > 0 and data["engine"]["kv_prefault_seconds"] <= data["load_seconds"]
     assert sum(r["prefill_tokens"] + r["decode_tokens"] for r in recs) == data["engine"]["tokens"]
     assert all(r["kv_allocated_bytes"] >= r["kv_live_bytes"] > 0 for r in recs)

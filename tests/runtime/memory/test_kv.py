@@ -430,3 +430,38 @@ def test_failed_reserve_after_zero_reservation_keeps_state():
     with pytest.raises(KVCacheFull):
         kv.reserve(0, 100)
     assert set(kv.tables) == set(kv.lengths)
+
+
+# -- the first wave's pages committed at start-up (KVPool.prefault, first_wave_blocks) --------
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(min_value=-2, max_value=12))
+def test_prefault_zeroes_the_first_blocks_of_every_plane_and_nothing_else(n: int) -> None:
+    """prefault(n) zeroes blocks [0, n) (at most the pool) in every layer and head of K and V,
+    leaves the rest as they were, and returns the bytes it touched."""
+    kv = pool(num_blocks=8)
+    kv.k.fill_(float("nan"))
+    kv.v.fill_(float("nan"))
+    done = kv.prefault(n)
+    m = max(0, min(n, 8))
+    assert done == m * kv.bytes_per_block
+    for t in (kv.k, kv.v):  # [L, Hkv, NB, bs, D]
+        assert bool((t[:, :, :m] == 0).all())
+        assert bool(t[:, :, m:].isnan().all())
+
+
+def test_first_wave_is_the_plans_batch_or_the_jobs_requests_of_the_workload_length() -> None:
+    """min(B, requests) sequences (B when the count is unknown) of seq_blocks(seq_len), at most
+    the pool."""
+    from types import SimpleNamespace
+
+    from moecc_runtime.contract.blocks import seq_blocks
+    from moecc_runtime.memory.kv import first_wave_blocks
+
+    plan = SimpleNamespace(decode=SimpleNamespace(B=16), workload=SimpleNamespace(seq_len=30))
+    per = seq_blocks(30, 8)
+    assert first_wave_blocks(plan, 10_000, 8, None) == 16 * per
+    assert first_wave_blocks(plan, 10_000, 8, 3) == 3 * per
+    assert first_wave_blocks(plan, 10_000, 8, 0) == 0
+    assert first_wave_blocks(plan, 10_000, 8, 1000) == 16 * per
+    assert first_wave_blocks(plan, 20, 8, None) == 20
