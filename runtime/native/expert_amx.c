@@ -90,13 +90,13 @@ ROW_ITEMS_BUILDS(GATHER_BODY)
 
 typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileCfg;
 
-AMX_TARGET static void tiles_on(void) {
-    TileCfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
-}
+/* Tiles 0-7 of 16 rows of 64 bytes, palette 1. A constant in memory, not built on the stack: GCC
+ * 12 dropped part of a stack-built copy's stores (ldtilecfg reads 64 bytes it does not track) once
+ * the function it was inlined into grew, and the first tile instruction then faulted. */
+static const TileCfg TILES __attribute__((aligned(64))) = {
+    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+AMX_TARGET static void tiles_on(void) { _tile_loadconfig(&TILES); }
 
 /* Element offset of the tile (outputs o0..o0+15, inputs 32*kb..) in a weight packed AB16b{nb}a2b
  * of K inputs; its rows are nb*2 elements apart, and each block of nb outputs is one run of
