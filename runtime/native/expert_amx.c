@@ -47,7 +47,7 @@
 #define HAVE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16")))
 #endif
 
 #define MAX_ROWS 512   /* rows per call (the caller chunks); 32 tiles of 16 */
@@ -165,9 +165,10 @@ AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t lda, int64_t MT, c
     }
 }
 
-/* bf16.h's f2bf on 16 lanes: to nearest even, NaN to 0x7fc0 (integer ops: AVX512-BF16's
- * conversion flushes subnormals, torch's does not). */
-AMX_TARGET static inline __m256i f2bf16(__m512 x) {
+/* bf16.h's f2bf on 16 lanes: to nearest even, NaN to 0x7fc0. AVX512-BF16's conversion rounds
+ * the same way but flushes subnormals and keeps a NaN's sign and payload, so it takes a vector
+ * only when no lane is either (one fpclass test); otherwise integer ops, as torch rounds. */
+AMX_TARGET static inline __m256i f2bf16_int(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i r = _mm512_srli_epi32(
         _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
@@ -175,6 +176,12 @@ AMX_TARGET static inline __m256i f2bf16(__m512 x) {
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                   _mm512_set1_epi32(0x7f800000));
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
+}
+
+AMX_TARGET static inline __m256i f2bf16(__m512 x) {
+    if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0x20 | 0x01 | 0x80) != 0, 0))  /* subnormal, QNaN, SNaN */
+        return f2bf16_int(x);
+    return (__m256i)_mm512_cvtneps_pbh(x);
 }
 
 AMX_TARGET static inline __m512 bf16x(__m256i h) {  /* 16 bf16 widened (exact) */

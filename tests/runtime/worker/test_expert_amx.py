@@ -63,6 +63,24 @@ def test_same_bits_as_the_unfused_path(H: int, I: int, n: int, seed: int) -> Non
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
 
 
+def test_subnormal_results_round_as_torch_rounds() -> None:
+    """Where a product or sum of the epilogue is subnormal (AVX512-BF16's conversion would flush
+    it), the kernel rounds it as torch does: down weights near the bottom of the normal range,
+    routing weights of 1e-4 and an output already subnormal."""
+    H, I, n = 64, 64, 40
+    w = list(expert_weights(H, I, 3))
+    g = torch.Generator().manual_seed(4)
+    w[2] = PackedLinear((torch.randn(H, I, generator=g) * 1e-36).to(BF16), 128)  # [H, I]: y ~ 1e-35, normal
+    x, tok, _, out = case(600, H, I, n, 3)
+    tw = torch.full((n,), 1e-4)  # y * tw ~ 1e-39: subnormal in fp32 and bf16
+    out = (out.float() * 1e-39).to(BF16)  # [T, H] subnormal
+    ref = unfused(x, tok, tw, w, out)
+    assert expert_amx.expert(x, tok, tw, w[0], w[2], out)
+    rows = out[tok].float().abs()
+    assert bool(((rows > 0) & (rows < torch.finfo(torch.float32).tiny)).any())  # the case is exercised
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
 @pytest.mark.parametrize("n", [16, 128, 512])
 def test_as_close_as_the_unfused_path_where_onednn_splits_the_sum(n: int) -> None:
     """At the bench model's shapes oneDNN's GEMM splits the inputs between threads (another fp32
