@@ -263,14 +263,18 @@ AMX_TARGET static void *down(void *arg) {
     return NULL;
 }
 
-/* The CPU has AMX's bf16 tiles (CPUID 7.0 EDX bits 22, 24) and the OS lets this process use
- * them (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once. */
+/* The CPU has AMX's bf16 tiles (CPUID 7.0 EDX bits 22, 24) and the AVX-512 parts the epilogues
+ * use (F, BW, DQ, BF16, the OS saving their registers: __builtin_cpu_supports), and the OS lets
+ * this process use the tiles (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once. */
 static int amx_ready(void) {
     static int known = -1;
     if (known >= 0) return known;
     unsigned a = 7, b = 0, c = 0, d = 0;
     __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "+c"(c), "=d"(d));
-    known = ((d >> 22) & 1u) && ((d >> 24) & 1u) && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    __builtin_cpu_init();
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
+    known = ((d >> 22) & 1u) && ((d >> 24) & 1u) && avx512 && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     return known;
 }
 #endif
