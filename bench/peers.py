@@ -17,7 +17,8 @@ What `run` does:
      load and its KV pool's pages for the first wave committed, as vLLM allocates and zeroes its
      KV cache in its own start-up), which
      count the scheduler, sampling and result writing as a peer's timed generate does; the
-     worker's steps alone and the exec wall with load in the notes; `--moecc-dtype fastest`
+     worker's steps alone, the KV start-up (and the rate with it counted in the run) and the exec
+     wall with load in the notes; `--moecc-dtype fastest`
      adds a row computing an fp32 model in bf16),
      vLLM (`LLM.generate` over all prompts, `max_num_seqs` swept over `--vllm-seqs` and its
      thread binding over `--vllm-bind`, the best kept; KV in the model dtype), llama.cpp (the checkpoint converted by its
@@ -123,7 +124,8 @@ def run_moecc(model: Path, prompts: Path, work: Path, dtype: str, max_batch: int
     return {"engine": f"moecc (--dtype {dtype})", "tokens": tokens, "seconds": run_s, "load_seconds": s["load_seconds"],
             "step_seconds": eng["seconds"], "tokens_per_s": tokens / run_s,
             "step_tokens_per_s": tokens / eng["seconds"], "wall_with_load_tokens_per_s": tokens / wall,
-            "kv_prefault_seconds": eng.get("kv_prefault_seconds", 0.0), "kv_prefault_bytes": eng.get("kv_prefault_bytes", 0),
+            "kv_prefault_seconds": eng.get("kv_prefault_seconds", 0.0),
+            "kv_prefault_bytes": eng.get("kv_prefault_bytes", 0),
             "steady_decode_tokens_per_s": steady, **roof,
             "steady_decode_of_roofline": steady / roof["roofline_tokens_per_s"] if steady else None,
             "packed_weight_bytes": eng.get("packed_weight_bytes", 0)}
@@ -321,7 +323,8 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_table(r: dict[str, Any]) -> None:
     print(f"\n{r['preset']} {r['dtype']}, {r['workload']}: {r['prompts']} prompts of {r['prompt_tokens'][0]}-"
-          f"{r['prompt_tokens'][1]} tokens, {r['output_tokens'][0]} new each; model load excluded for every engine")
+          f"{r['prompt_tokens'][1]} tokens, {r['output_tokens'][0]} new each; model load excluded for every engine "
+          f"(and KV start-up, moecc's as vLLM's)")
     ok = [e for e in r["engines"] if e.get("tokens_per_s")]
     peers = [e for e in ok if not e["engine"].startswith("moecc")]
     best = max((e["tokens_per_s"] for e in peers), default=None)
@@ -333,7 +336,10 @@ def print_table(r: dict[str, Any]) -> None:
         ratio = f"{e['tokens_per_s'] / best:.2f}" if best else "-"
         note = ""
         if e["engine"].startswith("moecc"):
-            note = f"worker steps alone {e.get('step_tokens_per_s', 0):.1f}; exec wall with load " \
+            pf = e.get("kv_prefault_seconds", 0.0)
+            counted = e["tokens"] / (e["seconds"] + pf) if e.get("seconds") else 0.0
+            note = f"worker steps alone {e.get('step_tokens_per_s', 0):.1f}; KV start-up {pf:.2f} s " \
+                   f"({counted:.1f} counted in the run); exec wall with load " \
                    f"{e['wall_with_load_tokens_per_s']:.1f}; steady decode " \
                    f"{(e['steady_decode_tokens_per_s'] or 0):.1f} = {(e['steady_decode_of_roofline'] or 0):.0%} of " \
                    f"the GEMM roofline {e['roofline_tokens_per_s']:.0f}"
