@@ -382,7 +382,8 @@ def _run(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batch: i
     start = time.perf_counter()
     engine = Engine(job.plan, mdir, pick_device(device), record_steps=stats_path is not None,
                     plan_path=job.plan_path, share_prefixes=job.share_prefixes)
-    engine.prefault_kv(prog.total)  # start-up: the first wave's KV pages, committed before the first step
+    wave = prog.total if max_batch is None else min(max_batch, prog.total if prog.total is not None else max_batch)
+    engine.prefault_kv(wave)  # start-up: the first wave's KV pages (--max-batch caps it), before the first step
     job.summary.load_seconds = time.perf_counter() - start
 
     outcome = None

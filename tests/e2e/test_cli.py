@@ -494,5 +494,8 @@ def test_token_id_prompts_and_stats_file(env: Env, runs: dict[str, Future], tmp_
     assert 0 < data["load_seconds"] < data["seconds"] <= data["wall_seconds"]  # load, then the run, inside the job
     # the first wave's KV pages committed in start-up (3 requests), not by the steps
     assert data["engine"]["kv_prefault_bytes"] > 0 and data["engine"]["kv_prefault_seconds"] <= data["load_seconds"]
+    one = tmp_path / "one.json"  # --max-batch 1: a first wave of one sequence, a third of the three's
+    run_job(env.plan, prompts, io.StringIO(), device="cpu", log=None, stats_path=one, max_batch=1)
+    assert 3 * json.loads(one.read_text())["engine"]["kv_prefault_bytes"] == data["engine"]["kv_prefault_bytes"]
     assert sum(r["prefill_tokens"] + r["decode_tokens"] for r in recs) == data["engine"]["tokens"]
     assert all(r["kv_allocated_bytes"] >= r["kv_live_bytes"] > 0 for r in recs)
