@@ -382,7 +382,7 @@ def _run(job: Job, mdir: Path, wall0: float, *, device: str | None, max_batch: i
     start = time.perf_counter()
     engine = Engine(job.plan, mdir, pick_device(device), record_steps=stats_path is not None,
                     plan_path=job.plan_path, share_prefixes=job.share_prefixes)
-    wave = prog.total if max_batch is None else min(max_batch, prog.total if prog.total is not None else max_batch)
+    wave = min((n for n in (prog.total, max_batch) if n is not None), default=None)  # None: the plan's B
     engine.prefault_kv(wave)  # start-up: the first wave's KV pages (--max-batch caps it), before the first step
     job.summary.load_seconds = time.perf_counter() - start
 
