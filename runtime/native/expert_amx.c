@@ -37,18 +37,11 @@
 #include <unistd.h>
 #include <Python.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "cpu.h"
 #include "py_args.h"
 #include "row_items.h"
-
-#if defined(__x86_64__) && defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16")))
-#endif
 
 #define MAX_ROWS 512   /* rows per call (the caller chunks); 32 tiles of 16 */
 
@@ -59,8 +52,8 @@ typedef struct {
     const uint16_t *gu; int nb_gu;           /* [2I, H] packed, NB */
     const uint16_t *dn; int nb_dn;           /* [H, I] packed, NB */
     const float *lut;                        /* [65536] silu of each bf16, rounded to bf16 */
-    uint16_t *a;                             /* [Mp, H] gathered rows, pad rows zero */
-    uint16_t *h;                             /* [Mp, I] */
+    uint16_t *a;                             /* [Mp/16, H/32, 16, 32] gathered rows as tiles, pad rows zero */
+    uint16_t *h;                             /* [Mp/16, I/32, 16, 32] */
     uint16_t *out; int64_t ldo;              /* [T, H] */
     int nth; int64_t next;                   /* threads; the next thread index to hand out */
 } Job;
@@ -76,27 +69,25 @@ static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
     return 1;
 }
 
-/* The gather: rows [r0, r1) of a (x's rows tok[r], then zero rows up to Mp), on row_items.h's
- * threads. */
+/* Element offset of (row r, column c) in a [rows, K] matrix stored as tiles (packed_at's
+ * layout: [r / 16][c / 32][r % 16][c % 32], each A tile one contiguous kilobyte). */
+static inline int64_t packed_at(int64_t r, int64_t c, int64_t K) {
+    return ((r / 16) * (K / 32) + c / 32) * 512 + (r % 16) * 32 + c % 32;
+}
+
+/* The gather: rows [r0, r1) of a (x's rows tok[r], then zero rows up to Mp), as tiles (each
+ * row's 64-byte pieces a tile row apart), on row_items.h's threads. */
 #define GATHER_BODY                                                                   \
     const Job *j = (const Job *)job;                                                  \
     for (int64_t r = r0; r < r1; r++) {                                               \
-        uint16_t *dst = j->a + r * j->H;                                              \
-        if (r < j->n) memcpy(dst, j->x + j->tok[r] * j->ldx, (size_t)j->H * 2);       \
-        else memset(dst, 0, (size_t)j->H * 2);                                        \
+        uint16_t *dst = j->a + packed_at(r, 0, j->H);                                 \
+        const uint16_t *src = r < j->n ? j->x + j->tok[r] * j->ldx : NULL;           \
+        for (int64_t c = 0; c < j->H; c += 32, dst += 512)                            \
+            if (src) memcpy(dst, src + c, 64);                                        \
+            else memset(dst, 0, 64);                                                  \
     }
 
 ROW_ITEMS_BUILDS(GATHER_BODY)
-
-typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileCfg;
-
-/* Tiles 0-7 of 16 rows of 64 bytes, palette 1. A constant in memory, not built on the stack: GCC
- * 12 dropped part of a stack-built copy's stores (ldtilecfg reads 64 bytes it does not track) once
- * the function it was inlined into grew, and the first tile instruction then faulted. */
-static const TileCfg TILES __attribute__((aligned(64))) = {
-    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-
-AMX_TARGET static void tiles_on(void) { _tile_loadconfig(&TILES); }
 
 /* Element offset of the tile (outputs o0..o0+15, inputs 32*kb..) in a weight packed AB16b{nb}a2b
  * of K inputs; its rows are nb*2 elements apart, and each block of nb outputs is one run of
@@ -129,11 +120,12 @@ static inline Pf pf_blocks(const uint16_t *w, int64_t r0, int64_t r1, int64_t by
 #endif
 
 /* cb[m][t] (16 x 16 fp32 each) = A's row tile m x B's column tile t (b0, b1), for every row tile
- * m < MT, over KB steps of 32 inputs: A rows lda elements apart; B tiles bstep elements apart by
- * step, rows bstride bytes apart. Row tiles two at a time (C in tiles 0-3), the inputs in blocks
+ * m < MT, over KB steps of 32 inputs: A as tiles (packed_at: a tile a contiguous kilobyte, which
+ * loads from L2 at twice the rate of 16 rows of a row-major matrix); B tiles bstep elements apart
+ * by step, rows bstride bytes apart. Row tiles two at a time (C in tiles 0-3), the inputs in blocks
  * of KBLK steps (the partial sums through cb between blocks), so a block's B tiles are read from
  * memory once and from L1 by the other row tiles. */
-AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t lda, int64_t MT, const uint16_t *b0, const uint16_t *b1,
+AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t MT, const uint16_t *b0, const uint16_t *b1,
                                    int64_t bstep, int64_t bstride, int64_t KB, Pf *pf, float (*cb)[2][256]) {
     for (int64_t k0 = 0; k0 < KB; k0 += KBLK) {
         const int64_t k1 = k0 + KBLK < KB ? k0 + KBLK : KB;
@@ -145,16 +137,16 @@ AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t lda, int64_t MT, c
                 _tile_loadd(0, cb[m][0], 64); _tile_loadd(1, cb[m][1], 64);
                 if (two) { _tile_loadd(2, cb[m + 1][0], 64); _tile_loadd(3, cb[m + 1][1], 64); }
             }
-            const uint16_t *a0 = a + m * 16 * lda;
+            const uint16_t *a0 = a + m * KB * 512;  /* row tile m's first tile */
             for (int64_t kb = k0; kb < k1; kb++) {
                 pf_step(pf);
-                _tile_loadd(4, a0 + kb * 32, lda * 2);
+                _tile_loadd(4, a0 + kb * 512, 64);
                 _tile_loadd(6, b0 + kb * bstep, bstride);
                 _tile_loadd(7, b1 + kb * bstep, bstride);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
                 if (two) {
-                    _tile_loadd(5, a0 + 16 * lda + kb * 32, lda * 2);
+                    _tile_loadd(5, a0 + (KB + kb) * 512, 64);
                     _tile_dpbf16ps(2, 5, 6);
                     _tile_dpbf16ps(3, 5, 7);
                 }
@@ -163,29 +155,6 @@ AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t lda, int64_t MT, c
             if (two) { _tile_stored(2, cb[m + 1][0], 64); _tile_stored(3, cb[m + 1][1], 64); }
         }
     }
-}
-
-/* bf16.h's f2bf on 16 lanes: to nearest even, NaN to 0x7fc0. AVX512-BF16's conversion rounds
- * the same way but flushes subnormals and keeps a NaN's sign and payload, so it takes a vector
- * only when no lane is either (one fpclass test); otherwise integer ops, as torch rounds. */
-AMX_TARGET static inline __m256i f2bf16_int(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
-}
-
-AMX_TARGET static inline __m256i f2bf16(__m512 x) {
-    if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0x20 | 0x01 | 0x80) != 0, 0))  /* subnormal, QNaN, SNaN */
-        return f2bf16_int(x);
-    return (__m256i)_mm512_cvtneps_pbh(x);
-}
-
-AMX_TARGET static inline __m512 bf16x(__m256i h) {  /* 16 bf16 widened (exact) */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* h row = silu(bf16(g)) * bf16(u), rounded: expert_rows.c's silu_mul on 16 columns. */
@@ -219,13 +188,13 @@ AMX_TARGET static void *gate_up(void *arg) {
             Pf pf = pf_blocks(j->gu, (un + 1) * run, (I / nb + un + 1) * run, run * 2, steps, un + 1 >= u1);
             for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++) {
                 const int64_t o = 32 * s;  /* the slice's first output of each half */
-                slice_tiles(j->a, K, MT, j->gu + tile_at(o, 0, K, nb), j->gu + tile_at(o + 16, 0, K, nb), 32 * nb,
+                slice_tiles(j->a, MT, j->gu + tile_at(o, 0, K, nb), j->gu + tile_at(o + 16, 0, K, nb), 32 * nb,
                             nb * 4, KB, &pf, cg);
-                slice_tiles(j->a, K, MT, j->gu + tile_at(I + o, 0, K, nb), j->gu + tile_at(I + o + 16, 0, K, nb),
+                slice_tiles(j->a, MT, j->gu + tile_at(I + o, 0, K, nb), j->gu + tile_at(I + o + 16, 0, K, nb),
                             32 * nb, nb * 4, KB, &pf, cu);
                 for (int64_t m = 0; m < MT; m++)
                     for (int r = 0; r < 16; r++) {
-                        uint16_t *hr = j->h + (m * 16 + r) * I + o;
+                        uint16_t *hr = j->h + packed_at(m * 16 + r, o, I);  /* 32 columns, one tile row */
                         silu_mul16(hr, cg[m][0] + r * 16, cu[m][0] + r * 16, j->lut);
                         silu_mul16(hr + 16, cg[m][1] + r * 16, cu[m][1] + r * 16, j->lut);
                     }
@@ -250,7 +219,7 @@ AMX_TARGET static void *down(void *arg) {
             Pf pf = pf_blocks(j->dn, (un + 1) * run, -1, run * 2, steps, un + 1 >= u1);
             for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++) {
                 const uint16_t *b0 = j->dn + tile_at(32 * s, 0, K, nb), *b1 = j->dn + tile_at(32 * s + 16, 0, K, nb);
-                slice_tiles(j->h, K, MT, b0, b1, 32 * nb, nb * 4, KB, &pf, cb);
+                slice_tiles(j->h, MT, b0, b1, 32 * nb, nb * 4, KB, &pf, cb);
                 for (int64_t row = 0; row < j->n; row++) {
                     const __m512 w = _mm512_set1_ps(j->tw[row]);
                     uint16_t *o = j->out + j->tok[row] * j->ldo + 32 * s;
@@ -263,20 +232,6 @@ AMX_TARGET static void *down(void *arg) {
     return NULL;
 }
 
-/* The CPU has AMX's bf16 tiles (CPUID 7.0 EDX bits 22, 24) and the AVX-512 parts the epilogues
- * use (F, BW, DQ, BF16, the OS saving their registers: __builtin_cpu_supports), and the OS lets
- * this process use the tiles (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once. */
-static int amx_ready(void) {
-    static int known = -1;
-    if (known >= 0) return known;
-    unsigned a = 7, b = 0, c = 0, d = 0;
-    __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "+c"(c), "=d"(d));
-    __builtin_cpu_init();
-    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
-    known = ((d >> 22) & 1u) && ((d >> 24) & 1u) && avx512 && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return known;
-}
 #endif
 
 /* 1: this build and CPU run the kernel; 0: they do not. */
