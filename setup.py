@@ -49,4 +49,4 @@ setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
       ext_modules=[native("_paged_attention"), native("_sample_rows"),
                    native("_dequant"), native("_expert_rows", contract="off"),
                    native("_rope", contract="off"), native("_rmsnorm", contract="off"),
-                   native("_expert_amx", contract="off")])
+                   native("_expert_amx", contract="off"), native("_prompt_amx")])

@@ -39,9 +39,12 @@ from moecc_runtime.native import expert_amx, expert_rows, rmsnorm, rope, extensi
 assert expert_rows._module() is not None, "the wheel carries no expert passes (moecc_runtime.native._expert_rows)"
 assert extension("_expert_amx", "moecc_expert_amx") is not None, "the wheel carries no AMX expert (moecc_runtime.native._expert_amx)"
 print("check_install: the AMX expert kernel", "runs on this CPU" if expert_amx._module() is not None else "is built (this CPU has no AMX)")
+from moecc_runtime.native import prompt_amx
+assert extension("_prompt_amx", "moecc_prompt_amx") is not None, "the wheel carries no AMX prompt attention (moecc_runtime.native._prompt_amx)"
+print("check_install: the AMX prompt attention", "runs on this CPU" if prompt_amx.available() else "is built (this CPU has no AMX)")
 assert rope._module() is not None, "the wheel carries no host rope (moecc_runtime.native._rope)"
 assert rmsnorm.sum_lanes() is not None, "the wheel's host rmsnorm is missing or disagrees with torch's (moecc_runtime.native._rmsnorm)"
-print("check_install: host attention kernel, sampler pass, dequantize, expert passes, the AMX expert, rope and rmsnorm built into the wheel")
+print("check_install: host attention kernel, sampler pass, dequantize, expert passes, the AMX expert and prompt attention, rope and rmsnorm built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"
 "$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt

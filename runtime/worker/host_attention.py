@@ -10,8 +10,9 @@ Decoding rows run in one call of the native kernel (moecc_runtime.native: one wo
 row and KV head, each key and value read once, threads sharing the items), and with them every
 row of a prompt chunk of NATIVE_PROMPT_ROWS rows or more (the kernel groups a chunk's
 consecutive rows into one item). Shorter fresh prompts (a row group of one sequence starting
-at position 0: its new K/V are its whole context) of equal length run batched, one causal SDPA call per batch, with no gather
-(kernels.attend_prompts). Any other prompt chunk gathers its own sequence's blocks on the
+at position 0: its new K/V are its whole context) run without a gather: in bf16 on a CPU with AMX
+those of AMX_PROMPT_ROWS rows or more in one call of the AMX prompt kernel (native/prompt_amx.py),
+the others of equal length batched, one causal SDPA call per batch (kernels.attend_prompts). Any other prompt chunk gathers its own sequence's blocks on the
 host and runs causal SDPA over them: its O(n^2) compute dwarfs reading its context once.
 Without the native kernel (not built, or a K/V dtype it does not read), the decoding rows
 go through the gathered path on the host instead (same numerics as GatheredAttention).
@@ -33,6 +34,7 @@ from moecc_runtime import native
 from moecc_runtime.contract.plan_types import Op
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.streaming import KVStaging
+from moecc_runtime.native import prompt_amx
 from moecc_runtime.native.isa import cpu_flags
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.attention import attend_decode, blocks_needed, kv_view, project_qkv
@@ -56,6 +58,20 @@ def _native_prompt_rows() -> int | None:
 #: bf16 rounds as transformers' own prefill does (the kernel's fp32 softmax and sums round once, at
 #: the end, so a bf16 model's logits move by bf16 rounding); there the kernel would buy little anyway
 NATIVE_PROMPT_ROWS: int | None = _native_prompt_rows()
+
+
+def _amx_prompt_rows() -> int | None:
+    """AMX_PROMPT_ROWS's default: 256, the native kernel's threshold on a CPU without AMX (the same
+    trade: its own rounding for the prompts long enough to gain). MOECC_AMX_PROMPT_ROWS overrides
+    (0: none)."""
+    env = os.environ.get("MOECC_AMX_PROMPT_ROWS", "").strip()
+    return (int(env) or None) if env else 256
+
+
+#: fresh prompts of at least this many rows attend on AMX tiles in bf16 (native/prompt_amx.py:
+#: 2.6x torch's SDPA over a prefill step's prompts of 300-600 tokens on an AMX Xeon); None: none
+#: do. Shorter ones keep SDPA, which rounds as transformers' own prefill does
+AMX_PROMPT_ROWS: int | None = _amx_prompt_rows()
 
 
 @dataclass
@@ -179,11 +195,9 @@ class HostAttention:
         prefill = view.prefill
         if sinks is None and new_kv[1].shape[-1] == q.shape[-1]:  # MHA without sinks (not MLA)
             fresh = [(lo, hi) for lo, hi, start, _ in prefill if start == 0 and (window is None or hi - lo <= window)]
-            if len(fresh) > 1:
-                k, v = new_kv
-                kernels.attend_prompts(q, k.to(q.dtype), v.to(q.dtype), fresh, a["scaling"], out)
-                done = set(fresh)
-                prefill = [p for p in prefill if (p[0], p[1]) not in done]
+            k, v = new_kv
+            done = self._attend_fresh(q, k.to(q.dtype), v.to(q.dtype), fresh, a["scaling"], out)
+            prefill = [p for p in prefill if (p[0], p[1]) not in done]
         for lo, hi, start, idx in prefill:
             c = start + (hi - lo)
             ks = kp.index_select(1, idx).flatten(1, 2)[:, :c]  # [Hkv, c, D]: this sequence's context
@@ -191,6 +205,22 @@ class HostAttention:
             o = kernels.attend(q[lo:hi], ks, vs, start, a, sinks)  # [n, Hq*Dv]
             out[lo:hi] = o.view(hi - lo, q.shape[1], -1)
         return out
+
+    @staticmethod
+    def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fresh: list[tuple[int, int]], scale: float,
+                      out: torch.Tensor) -> set[tuple[int, int]]:
+        """Fresh prompts (rows [lo, hi), their whole context) attended without a gather: those of at
+        least AMX_PROMPT_ROWS rows on AMX tiles where that kernel takes them (bf16), the rest batched
+        through SDPA where two or more are left. Returns the spans done."""
+        done: set[tuple[int, int]] = set()
+        long = [s for s in fresh if AMX_PROMPT_ROWS and s[1] - s[0] >= AMX_PROMPT_ROWS]
+        if long and prompt_amx.attend(q, k, v, long, scale, out):
+            done.update(long)
+        rest = [s for s in fresh if s not in done]
+        if len(rest) > 1:
+            kernels.attend_prompts(q, k, v, rest, scale, out)
+            done.update(rest)
+        return done
 
     def _decode_gathered(self, q: torch.Tensor, layer: int, mb: MicroBatch, a: dict,
                          sinks: torch.Tensor | None, out: torch.Tensor) -> None:
