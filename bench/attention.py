@@ -19,7 +19,9 @@ With --prompts LENGTHS prefill attention is timed instead: for each length n, --
 prompts of n tokens, every row of each attending its own causal prefix, through the host kernel
 (a prompt's consecutive rows grouped, as HostAttention sends prompt chunks of
 host_attention.NATIVE_PROMPT_ROWS rows or more) against torch's causal SDPA one prompt a call
-(what a prompt alone, or of a length no other shares, runs otherwise), in the pool's dtype.
+(what a prompt alone, or of a length no other shares, runs otherwise), in the pool's dtype; and in
+bf16 on a CPU with AMX the AMX prompt kernel (native/prompt_amx.py: every prompt in one call, over
+the prompts' own K/V rows, as HostAttention sends fresh prompts of AMX_PROMPT_ROWS rows or more).
 
     python bench/attention.py --prompts 300,450,600 --seqs 16 --block-size 8
 
@@ -44,6 +46,7 @@ import torch
 
 from moecc_runtime import native
 from moecc_runtime.memory.kv import KVPool
+from moecc_runtime.native import prompt_amx
 from moecc_runtime.worker.attention import attend_decode, kv_view
 from moecc_runtime.worker.attention_backends import Where
 from moecc_runtime.worker.batch import MicroBatch
@@ -201,6 +204,16 @@ def time_prompts(n: int, S: int, dtype: torch.dtype, args: argparse.Namespace, g
         native.paged_attention(native.kernel_queries(q), pool.k[0], pool.v[0], rows, flat, table_off, ctx, lo, scale,
                                out_k)  # as the worker hands them over
 
+    # the prompts' own K/V as the layer's new rows [S*n, Hkv, D]: what the AMX prompt kernel reads
+    k_rows = torch.cat([k[0].transpose(0, 1) for k in ks])
+    v_rows = torch.cat([v[0].transpose(0, 1) for v in vs])
+    spans = [(i * n, (i + 1) * n) for i in range(S)]
+    out_a = torch.empty(S * n, Hq, D, dtype=dtype)
+    amx = dtype == torch.bfloat16 and prompt_amx.available()
+
+    def amx_prompts() -> None:
+        assert prompt_amx.attend(q, k_rows, v_rows, spans, scale, out_a)
+
     def sdpa() -> None:
         for i in range(S):
             qi = q[i * n:(i + 1) * n].transpose(0, 1)[None]  # [1, Hq, n, D]
@@ -208,18 +221,25 @@ def time_prompts(n: int, S: int, dtype: torch.dtype, args: argparse.Namespace, g
                                                                  enable_gqa=True)
             out_s[i * n:(i + 1) * n] = o[0].transpose(0, 1)
 
-    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
-    kernel(), sdpa()
+    paths = (("kernel", kernel), ("sdpa", sdpa)) + ((("amx", amx_prompts),) if amx else ())
+    times: dict[str, list[float]] = {name: [] for name, _ in paths}
+    for _, f in paths:
+        f()
     for _ in range(repeats):
-        for name, f in (("kernel", kernel), ("sdpa", sdpa)):
+        for name, f in paths:
             t0 = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t0)
     k_s, s_s = median(times["kernel"]), median(times["sdpa"])
     flops = 4.0 * S * Hq * D * n * (n + 1) / 2
-    return {"prompt_tokens": n, "prompts": S, "dtype": str(dtype).removeprefix("torch."), "kernel_s": k_s,
-            "sdpa_s": s_s, "speedup": s_s / k_s, "kernel_GFLOPs": flops / k_s / 1e9, "sdpa_GFLOPs": flops / s_s / 1e9,
-            "max_abs_diff": (out_k - out_s.float()).abs().max().item()}
+    r = {"prompt_tokens": n, "prompts": S, "dtype": str(dtype).removeprefix("torch."), "kernel_s": k_s,
+         "sdpa_s": s_s, "speedup": s_s / k_s, "kernel_GFLOPs": flops / k_s / 1e9, "sdpa_GFLOPs": flops / s_s / 1e9,
+         "max_abs_diff": (out_k - out_s.float()).abs().max().item()}
+    if amx:  # the AMX prompt kernel: every prompt in one call
+        a_s = median(times["amx"])
+        r.update(amx_s=a_s, amx_speedup=s_s / a_s, amx_GFLOPs=flops / a_s / 1e9,
+                 amx_max_abs_diff=(out_a.float() - out_s.float()).abs().max().item())
+    return r
 
 
 def run_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -231,7 +251,9 @@ def run_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(r)
             print(f"prompts of {n:4d} {r['dtype']:>8} x{r['prompts']}: kernel {r['kernel_s'] * 1e3:7.2f} ms/layer "
                   f"({r['kernel_GFLOPs']:.0f} GFLOP/s)  SDPA {r['sdpa_s'] * 1e3:7.2f} ms/layer ({r['sdpa_GFLOPs']:.0f} "
-                  f"GFLOP/s)  kernel {r['speedup']:.2f}x  max|diff| {r['max_abs_diff']:.1e}")
+                  f"GFLOP/s)  kernel {r['speedup']:.2f}x  max|diff| {r['max_abs_diff']:.1e}"
+                  + (f"  AMX prompts {r['amx_s'] * 1e3:7.2f} ms/layer ({r['amx_GFLOPs']:.0f} GFLOP/s) "
+                     f"{r['amx_speedup']:.2f}x SDPA, max|diff| {r['amx_max_abs_diff']:.1e}" if "amx_s" in r else ""))
     return rows
 
 
