@@ -120,7 +120,7 @@ def generate(
         sched.rejected.clear()
         if plan is None:
             continue
-        logits = _score_prompts(plan, sched, engine.worker.execute(plan).logits)  # [S', V]
+        logits = _score_prompts(plan, sched, engine.worker.execute(plan).raw)  # [S', V] in the model's dtype
         finishing, logits = _fork(sched, sched.advance(plan), logits)
         finishing, logits = _end_unsampled(sched, finishing, logits, out)
         chosen, entries = _sample(finishing, logits, eos, grammar)
@@ -130,7 +130,7 @@ def generate(
                 out.fail(_request(s), f"request {_request(s).key!r}: {tok}", tok)
                 continue
             if record_logits:
-                s.logits.append(logits[i].clone())
+                s.logits.append(logits[i].to(torch.float32, copy=True))
             if i in entries:
                 s.logprobs.append(entries[i])
             s.tokens.append(tok)

@@ -43,6 +43,9 @@ _DRAW_ARGTYPES = [_PTR, _I64, _I64, _PTR, _I64,  # x, V, row stride, rows, R
                   _PTR, _PTR, _PTR, _PTR, _PTR, _INT,  # inv_t, top_k, top_p, min_p, u, K
                   _PTR, _PTR, _INT]  # out tokens, out candidate ids, threads
 
+#: sample_rows.c's greedy pass: x, dtype, R, V, row stride, out tokens, threads
+_GREEDY_ARGTYPES = [_PTR, _INT, _I64, _I64, _I64, _PTR, _INT]
+
 #: dequant.c (runtime/formats/_grouped.py calls it): codes, row bytes, kind, lut16, scale, zero, scale row
 #: stride, row groups, R, C, column group, row group, row0, out, out row stride, out dtype, threads
 _DEQUANT_ARGTYPES = [_PTR, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR,
@@ -142,6 +145,25 @@ def draw_rows(x: torch.Tensor, rows: torch.Tensor, inv_t: torch.Tensor, top_k: t
                                  ids.data_ptr(), int(threads or torch.get_num_threads())) != 0:
         raise MemoryError("draw_rows: the kernel could not allocate its scratch memory")
     return tok, ids
+
+
+def greedy_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's greedy token of logits x [R, V] (fp32 or bf16 on the CPU, unit last stride) ->
+    [R] int64, -1 where the row is not finite: the first index of its largest value, as torch's
+    max over the row and isfinite give, in one read of each row (sample_rows.c). None: the pass
+    was not built, or x is not such a tensor."""
+    lib = _load("_sample_rows", "moecc_draw_rows")
+    if (lib is None or x.device.type != "cpu" or x.dtype not in DTYPE_CODES or x.dim() != 2 or x.stride(-1) != 1
+            or x.shape[1] < 1):
+        return None
+    fn = lib.moecc_greedy_rows
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _GREEDY_ARGTYPES, ctypes.c_int
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if fn(x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+          torch.get_num_threads()) != 0:
+        return None
+    return out
 
 
 def attention_isas() -> list[str]:

@@ -26,7 +26,9 @@
 #include <string.h>
 #include <Python.h>
 
+#include "bf16.h"
 #include "cpu.h"
+#include "row_items.h"
 #include "vec8.h"
 
 typedef struct {
@@ -244,6 +246,86 @@ int moecc_draw_rows(const float *x, int64_t V, int64_t xs, const int64_t *rows, 
     Job j = {x, V, xs, rows, R, inv_t, top_p, min_p, u, top_k, K, out_tok, out_i, 0, 0};
     run_threads(worker, &j, nthreads, R);
     return j.failed;
+}
+
+/* Greedy rows: out[r] = the first index of row r's largest logit, or -1 where the row is not
+ * finite (a NaN, a largest +inf, or nothing above -inf), as torch's max over the row and its
+ * isfinite check give, for fp32 or bf16 logits (bf16 widened exactly). Per row: the largest of each
+ * block of 64 (one vectorized pass), then the first block holding the row's largest, then the
+ * first index in it. */
+typedef struct { const void *x; int dtype; int64_t V, xs; int64_t *out; } Greedy;
+
+/* The largest of 8 lanes a and b, lane by lane, with `nan` marking lanes where b is NaN (a NaN
+ * never wins: the row's NaN flag reports it). */
+#define GREEDY_MAX8(a, b, nan)                          \
+    do {                                                \
+        const i8 gt_ = (b) > (a);                       \
+        (nan) |= (b) != (b);                            \
+        (a) = as_v8((as_i8(b) & gt_) | (as_i8(a) & ~gt_)); \
+    } while (0)
+
+/* Row r's greedy token into j->out[r]; LOAD8(i) the 8 logits from index i widened to fp32,
+ * LOAD1(i) one. */
+#define GREEDY_ROW(LOAD8, LOAD1)                                                               \
+    do {                                                                                       \
+        float m = -INFINITY, bm[(j->V + 63) / 64];                                             \
+        i8 nan8 = {0};                                                                         \
+        int nan = 0;                                                                           \
+        for (int64_t b = 0; b < j->V; b += 64) {                                               \
+            const int64_t e = b + 64 < j->V ? b + 64 : j->V;                                   \
+            float x = -INFINITY;                                                               \
+            int64_t i = b;                                                                     \
+            if (e - b == 64) {                                                                 \
+                v8 x8 = LOAD8(b);                                                              \
+                nan8 |= x8 != x8;                                                              \
+                for (i = b + 8; i < e; i += 8) {                                               \
+                    const v8 v_ = LOAD8(i);                                                    \
+                    GREEDY_MAX8(x8, v_, nan8);                                                 \
+                }                                                                              \
+                for (int l = 0; l < 8; l++) x = x8[l] > x ? x8[l] : x;                         \
+            }                                                                                  \
+            for (; i < e; i++) {                                                               \
+                const float v = LOAD1(i);                                                      \
+                x = v > x ? v : x;                                                             \
+                nan |= v != v;                                                                 \
+            }                                                                                  \
+            bm[b / 64] = x;                                                                    \
+            m = x > m ? x : m;                                                                 \
+        }                                                                                      \
+        for (int l = 0; l < 8; l++) nan |= nan8[l] != 0;                                       \
+        int64_t at = -1;                                                                       \
+        if (!nan && m > -INFINITY && m < INFINITY)                                             \
+            for (int64_t b = 0; at < 0; b += 64)                                               \
+                if (bm[b / 64] == m)                                                           \
+                    for (int64_t i = b; at < 0; i++) at = LOAD1(i) == m ? i : -1;              \
+        j->out[r] = at;                                                                        \
+    } while (0)
+
+#define GREEDY_F32_8(i) ld8(xf + (i))
+#define GREEDY_F32_1(i) (xf[i])
+#define GREEDY_BF16_8(i) ldbf8(xh + (i))
+#define GREEDY_BF16_1(i) bf2f(xh[i])
+#define GREEDY_BODY                                                                            \
+    const Greedy *j = (const Greedy *)job;                                                     \
+    for (int64_t r = r0; r < r1; r++) {                                                        \
+        if (j->dtype == DT_F32) {                                                              \
+            const float *xf = (const float *)j->x + r * j->xs;                                 \
+            GREEDY_ROW(GREEDY_F32_8, GREEDY_F32_1);                                            \
+        } else {                                                                               \
+            const uint16_t *xh = (const uint16_t *)j->x + r * j->xs;                           \
+            GREEDY_ROW(GREEDY_BF16_8, GREEDY_BF16_1);                                          \
+        }                                                                                      \
+    }
+
+ROW_ITEMS_BUILDS(GREEDY_BODY)
+
+/* out [R] <- each row's greedy token or -1 (Greedy); x [R, V] rows xs elements apart, dtype
+ * DT_F32 or DT_BF16 (bf16.h). */
+int moecc_greedy_rows(const void *x, int dtype, int64_t R, int64_t V, int64_t xs, int64_t *out, int nthreads) {
+    if (R < 0 || V < 1 || xs < V || (dtype != DT_F32 && dtype != DT_BF16)) return 1;
+    Greedy j = {x, dtype, V, xs, out};
+    run_row_items(&j, rows_avx2, rows_base, R, V, nthreads);
+    return 0;
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sample_rows",

@@ -23,6 +23,7 @@ from typing import Collection, Sequence
 
 import torch
 
+from moecc_runtime import native
 from moecc_runtime.sampling.draw_rows import DrawParams, draw, workspace
 from moecc_runtime.sampling.params import SamplingParams
 from moecc_runtime.sampling.penalties import adjust_rows, is_neutral
@@ -48,11 +49,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     are not finite. Rows with penalties, a logit_bias or min_tokens need their `tokens`
     (prompt + generated so far) and `prompt_lens` (ValueError otherwise). Queues device work
     only: no host read of a device tensor."""
+    if masks is None and all(p.temperature <= 0.0 and is_neutral(p) for p in params):
+        return greedy(logits)
+    logits = logits.float()  # every other path reads fp32 logits
     S, V = logits.shape
     dev = logits.device
-    if masks is None and all(p.temperature <= 0.0 and is_neutral(p) for p in params):
-        best, tok = logits.max(dim=-1)  # plain greedy: the finiteness check and the argmax in one pass
-        return torch.where(torch.isfinite(best), tok, torch.full_like(tok, -1))
     raw_max = logits.amax(dim=-1)  # [S]: NaN where any is NaN, +inf, or -inf when none is finite
     finite = torch.isfinite(raw_max)  # [S]
     x = _masked(logits, masks)
@@ -71,6 +72,18 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         out[to_device(drawn, dev, torch.long)] = draw(_drawn_rows(x, drawn, adjusted, at), DrawParams.of(
             [params[i] for i in drawn]), uniforms([generators[i] for i in drawn], dev))
     return torch.where(finite, out, torch.full_like(out, -1))
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Plain greedy rows: logits [S, V] (fp32 or bf16) -> tokens [S] int64 on their device, -1 where
+    a row is not finite; the first index of a row's largest value (torch.argmax's choice). On the host
+    the native pass reads each row once in its own dtype (native.greedy_rows: 2-3x torch's max over
+    fp32, and no fp32 copy of a bf16 step's logits); elsewhere torch's max."""
+    tok = native.greedy_rows(logits) if logits.device.type == "cpu" else None
+    if tok is not None:
+        return tok
+    best, tok = logits.max(dim=-1)  # the finiteness check and the argmax in one pass
+    return torch.where(torch.isfinite(best), tok, torch.full_like(tok, -1))
 
 
 def _drawn_rows(x: torch.Tensor, drawn: list[int], adjusted: torch.Tensor | None, at: dict[int, int]) -> torch.Tensor:

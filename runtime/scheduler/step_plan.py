@@ -14,6 +14,7 @@ vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -69,9 +70,14 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What the worker computed: the logits, fp32, of the rows that reach the head, in row
-    order: each finishing chunk's last row and every row of a scoring chunk (`score`), [R, V];
-    with `all_rows` those of every row, [T, V]."""
+    """What the worker computed: the logits of the rows that reach the head, in row order: each
+    finishing chunk's last row and every row of a scoring chunk (`score`), [R, V]; with
+    `all_rows` those of every row, [T, V]. `raw` in the model's dtype, `logits` the same in fp32
+    (widened once, when first asked: a greedy step reads `raw` alone)."""
 
     finished: list[int]  # sids
-    logits: torch.Tensor
+    raw: torch.Tensor
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        return self.raw.float()

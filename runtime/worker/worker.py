@@ -303,7 +303,7 @@ class Worker:
                                                            len(b.finishing))
         account(self.stats, plan, seconds, self.stats.experts_run - experts_before, copy0, self.copy, self.arena,
                 self.device, self.kv)
-        return StepOutput(b.finishing, logits.float())
+        return StepOutput(b.finishing, logits)
 
     def _run_schedule(self, b: StepBatch) -> torch.Tensor:
         """Every module in plan order over the step's rows; the head's logits."""
