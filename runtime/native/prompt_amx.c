@@ -237,7 +237,6 @@ AMX_TARGET static void *attend_items(void *arg) {
     free(mem);
     return NULL;
 }
-#endif
 
 /* qsort_r's order of items s * Hq + g (arg: an Order): longer prompts first, then by s and g,
  * so a thread's consecutive items share a KV head's tiles and the last items are the shortest. */
@@ -249,6 +248,7 @@ static int longer_first(const void *a, const void *b, void *arg) {
     const int64_t nx = SPAN_N_RAW(o->spans, x / o->Hq), ny = SPAN_N_RAW(o->spans, y / o->Hq);
     return nx != ny ? (nx > ny ? -1 : 1) : (x < y ? -1 : x > y);
 }
+#endif
 
 /* 1: this build and CPU run the kernel; 0: they do not. */
 int moecc_prompt_amx_ready(void) {

@@ -10,9 +10,10 @@ Decoding rows run in one call of the native kernel (moecc_runtime.native: one wo
 row and KV head, each key and value read once, threads sharing the items), and with them every
 row of a prompt chunk of NATIVE_PROMPT_ROWS rows or more (the kernel groups a chunk's
 consecutive rows into one item). Shorter fresh prompts (a row group of one sequence starting
-at position 0: its new K/V are its whole context) run without a gather: in bf16 on a CPU with AMX
-those of AMX_PROMPT_ROWS rows or more in one call of the AMX prompt kernel (native/prompt_amx.py),
-the others of equal length batched, one causal SDPA call per batch (kernels.attend_prompts). Any other prompt chunk gathers its own sequence's blocks on the
+at position 0: its new K/V are its whole context) run without a gather: in bf16 on a CPU with
+AMX those of AMX_PROMPT_ROWS rows or more in one call of the AMX prompt kernel
+(native/prompt_amx.py), the others of equal length batched, one causal SDPA call per batch
+(kernels.attend_prompts). Any other prompt chunk gathers its own sequence's blocks on the
 host and runs causal SDPA over them: its O(n^2) compute dwarfs reading its context once.
 Without the native kernel (not built, or a K/V dtype it does not read), the decoding rows
 go through the gathered path on the host instead (same numerics as GatheredAttention).
@@ -69,8 +70,9 @@ def _amx_prompt_rows() -> int | None:
 
 
 #: fresh prompts of at least this many rows attend on AMX tiles in bf16 (native/prompt_amx.py:
-#: 2.6x torch's SDPA over a prefill step's prompts of 300-600 tokens on an AMX Xeon); None: none
-#: do. Shorter ones keep SDPA, which rounds as transformers' own prefill does
+#: 1.95-2.24x torch's SDPA for 16 prompts of 300-600 tokens on an AMX Xeon, `python
+#: bench/attention.py --prompts 300,450,600 --seqs 16 --dtypes bfloat16`); None: none do. Shorter
+#: ones keep SDPA, which rounds as transformers' own prefill does
 AMX_PROMPT_ROWS: int | None = _amx_prompt_rows()
 
 
@@ -195,9 +197,10 @@ class HostAttention:
         prefill = view.prefill
         if sinks is None and new_kv[1].shape[-1] == q.shape[-1]:  # MHA without sinks (not MLA)
             fresh = [(lo, hi) for lo, hi, start, _ in prefill if start == 0 and (window is None or hi - lo <= window)]
-            k, v = new_kv
-            done = self._attend_fresh(q, k.to(q.dtype), v.to(q.dtype), fresh, a["scaling"], out)
-            prefill = [p for p in prefill if (p[0], p[1]) not in done]
+            if fresh:
+                k, v = new_kv
+                done = self._attend_fresh(q, k.to(q.dtype), v.to(q.dtype), fresh, a["scaling"], out)
+                prefill = [p for p in prefill if (p[0], p[1]) not in done]
         for lo, hi, start, idx in prefill:
             c = start + (hi - lo)
             ks = kp.index_select(1, idx).flatten(1, 2)[:, :c]  # [Hkv, c, D]: this sequence's context
