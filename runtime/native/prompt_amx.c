@@ -38,7 +38,7 @@ typedef struct {
     int64_t Hq, Hkv, D, Dv, Dp, Dvp; float scale;      /* Dp, Dvp: D, Dv rounded up to 32 (zeros) */
     const int64_t *items; int64_t nitems;              /* [ns * Hq]: s * Hq + g, the longest prompts first */
     uint16_t *out; int64_t ldo;                        /* [t, Hq, Dv] */
-    int64_t next;                                      /* the next item (or pass-1 item) to hand out */
+    int64_t next;                                      /* the next item to hand out */
 } Job;
 
 #define SPAN_N_RAW(sp, s) ((sp)[2 * (s) + 1] - (sp)[2 * (s)])
