@@ -16,13 +16,12 @@ threads (then the bits of a sum may differ in the last place).
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 from typing import Any
 
 import torch
 
-from moecc_runtime.native import extension
+from moecc_runtime.native import amx_extension
 from moecc_runtime.native.expert_rows import _silu_table
 
 MAX_ROWS = 512  #: rows per native call (expert_amx.c's MAX_ROWS); more run as several calls
@@ -30,18 +29,12 @@ _NB = (32, 64)  #: output blocks of oneDNN's AB16b{NB}a2b bf16 layouts the kerne
 
 
 def _module() -> Any:
-    """The extension, or None: not built, turned off, or no AMX on this CPU/OS."""
-    if os.environ.get("MOECC_EXPERT_AMX", "1") == "0":
-        return None
-    mod = extension("_expert_amx", "moecc_expert_amx")
-    return mod if mod is not None and _ready(mod) else None
-
-
-@lru_cache(maxsize=None)
-def _ready(mod: Any) -> bool:
-    """The CPU and OS run AMX tiles, and this torch lets its oneDNN tensors' bytes be read."""
+    """The extension, or None: not built, turned off, no AMX on this CPU/OS (native.amx_extension),
+    or a torch that does not let its oneDNN tensors' bytes be read."""
     ops = torch.ops.mkldnn
-    return bool(mod.ready()) and hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")
+    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+        return None
+    return amx_extension("_expert_amx", "moecc_expert_amx", "MOECC_EXPERT_AMX")
 
 
 def _raw(packed: torch.Tensor) -> int:

@@ -16,26 +16,16 @@ multiple of the KV heads, rows not contiguous in the last dim.
 
 from __future__ import annotations
 
-import os
-from functools import lru_cache
 from typing import Any
 
 import torch
 
-from moecc_runtime.native import extension
+from moecc_runtime.native import amx_extension
 
 
 def _module() -> Any:
     """The extension, or None: not built, turned off, or no AMX on this CPU/OS."""
-    if os.environ.get("MOECC_PROMPT_AMX", "1") == "0":
-        return None
-    mod = extension("_prompt_amx", "moecc_prompt_amx")
-    return mod if mod is not None and _ready(mod) else None
-
-
-@lru_cache(maxsize=None)
-def _ready(mod: Any) -> bool:
-    return bool(mod.ready())
+    return amx_extension("_prompt_amx", "moecc_prompt_amx", "MOECC_PROMPT_AMX")
 
 
 def available() -> bool:
