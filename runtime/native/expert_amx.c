@@ -28,7 +28,9 @@
  * at a time, both 64-byte halves of the packed 128-byte rows, so the weights stream as whole
  * lines in address order (not alternate halves of each line in two passes); the next unit's weight block
  * (a contiguous run per half) is asked for a few lines at each step, paced so the line fill buffers
- * never fill. Linux x86-64 with GCC 11 / Clang 12 or newer only (the AMX target, arch_prctl's
+ * never fill. A slice's epilogue (silu times up into h; the weighted down rows into out) waits for
+ * the next slice and runs a few rows at each of its K steps, AVX-512 beside the tile products
+ * (each thread keeps two C buffers for that). Linux x86-64 with GCC 11 / Clang 12 or newer only (the AMX target, arch_prctl's
  * permission); elsewhere `moecc_expert_amx` returns 2 and the caller runs torch's path.
  */
 #define _GNU_SOURCE
@@ -115,6 +117,24 @@ static inline Pf pf_blocks(const uint16_t *w, int64_t r0, int64_t r1, int64_t by
     return f;
 }
 
+/* A slice's epilogue (its rows' C to h, or to out), left pending while the next slice's tiles run
+ * and done a few rows at each of that slice's K steps: its AVX-512 work then runs beside the tile
+ * products instead of after them. `rows` does rows [r, upto); `per` rows a step. */
+typedef struct Epi {
+    void (*rows)(struct Epi *e, int64_t upto);
+    const Job *j;
+    const float (*c0)[2][256], (*c1)[2][256];  /* gate and up (gate_up), the down result (down) */
+    int64_t col, r, n, per;                    /* the slice's first column; next row, rows */
+} Epi;
+
+static inline void epi_step(Epi *e) {
+    if (e->r < e->n) e->rows(e, e->r + e->per < e->n ? e->r + e->per : e->n);
+}
+
+static inline void epi_finish(Epi *e) {
+    if (e->r < e->n) e->rows(e, e->n);
+}
+
 #ifndef KBLK
 #define KBLK 8  /* input steps (of 32) per pass over the row tiles: B's tiles for them stay in L1 */
 #endif
@@ -126,7 +146,7 @@ static inline Pf pf_blocks(const uint16_t *w, int64_t r0, int64_t r1, int64_t by
  * of KBLK steps (the partial sums through cb between blocks), so a block's B tiles are read from
  * memory once and from L1 by the other row tiles. */
 AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t MT, const uint16_t *b0, const uint16_t *b1,
-                                   int64_t bstep, int64_t bstride, int64_t KB, Pf *pf, float (*cb)[2][256]) {
+                                   int64_t bstep, int64_t bstride, int64_t KB, Pf *pf, Epi *epi, float (*cb)[2][256]) {
     for (int64_t k0 = 0; k0 < KB; k0 += KBLK) {
         const int64_t k1 = k0 + KBLK < KB ? k0 + KBLK : KB;
         for (int64_t m = 0; m < MT; m += 2) {
@@ -140,6 +160,7 @@ AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t MT, const uint16_t
             const uint16_t *a0 = a + m * KB * 512;  /* row tile m's first tile */
             for (int64_t kb = k0; kb < k1; kb++) {
                 pf_step(pf);
+                epi_step(epi);
                 _tile_loadd(4, a0 + kb * 512, 64);
                 _tile_loadd(6, b0 + kb * bstep, bstride);
                 _tile_loadd(7, b1 + kb * bstep, bstride);
@@ -170,64 +191,88 @@ AMX_TARGET static inline void scale_add16(uint16_t *o, const float *c, __m512 w)
     _mm256_storeu_si256((__m256i *)o, f2bf16(sum));
 }
 
+/* The epilogues' rows, Epi.rows: h's 32 columns of the slice for rows [r, upto) (silu of the
+ * gate times up; every row of the Mp, pad rows included, so h's pad rows are written), or each
+ * routed row's weighted down result added into out[tok[r]]. */
+AMX_TARGET static void silu_rows(Epi *e, int64_t upto) {
+    for (; e->r < upto; e->r++) {
+        const int64_t m = e->r / 16, r = e->r % 16;
+        uint16_t *hr = e->j->h + packed_at(e->r, e->col, e->j->I);  /* 32 columns, one tile row */
+        silu_mul16(hr, e->c0[m][0] + r * 16, e->c1[m][0] + r * 16, e->j->lut);
+        silu_mul16(hr + 16, e->c0[m][1] + r * 16, e->c1[m][1] + r * 16, e->j->lut);
+    }
+}
+
+AMX_TARGET static void down_rows(Epi *e, int64_t upto) {
+    for (; e->r < upto; e->r++) {
+        const int64_t m = e->r / 16, r = e->r % 16;
+        const __m512 w = _mm512_set1_ps(e->j->tw[e->r]);
+        uint16_t *o = e->j->out + e->j->tok[e->r] * e->j->ldo + e->col;
+        scale_add16(o, e->c0[m][0] + r * 16, w);
+        scale_add16(o + 16, e->c0[m][1] + r * 16, w);
+    }
+}
+
+/* Each thread's C buffers, two of each (a slice's, and the previous slice's while its epilogue
+ * is pending): [buffer][row tile][column tile][16 x 16 fp32]. */
+static __thread float c_gate[2][MAX_ROWS / 16][2][256] __attribute__((aligned(64)));
+static __thread float c_up[2][MAX_ROWS / 16][2][256] __attribute__((aligned(64)));
+
 /* Gate and up by units of nb outputs of each (one block of the gate half, the same block of
  * the up half); h's columns of the unit for every row. Each 32 outputs of a half run as one
  * slice_tiles pass (its two column tiles are the two 64-byte halves of the block's 128-byte rows
- * at nb 32), gate then up: each weight line is read whole, in order, once. */
+ * at nb 32), gate then up: each weight line is read whole, in order, once. A slice's epilogue
+ * runs inside the next slice's passes (Epi), the thread's last one after them. */
 AMX_TARGET static void *gate_up(void *arg) {
     Job *j = (Job *)arg;
     tiles_on();
     const int64_t K = j->H, KB = K / 32, MT = j->mp / 16, I = j->I;
     const int nb = j->nb_gu;
     const int64_t run = K * nb, steps = (nb / 16) * ((MT + 1) / 2) * KB;
-    float cg[MAX_ROWS / 16][2][256] __attribute__((aligned(64)));  /* gate: [row tile][column tile] */
-    float cu[MAX_ROWS / 16][2][256] __attribute__((aligned(64)));  /* up */
-    int64_t u0, u1;
+    Epi e = {silu_rows, j, NULL, NULL, 0, 0, 0, (j->mp + 2 * ((MT + 1) / 2) * KB - 1) / (2 * ((MT + 1) / 2) * KB)};
+    int64_t u0, u1, b = 0;
     while (next_run(j, I / nb, &u0, &u1))
         for (int64_t un = u0; un < u1; un++) {
             Pf pf = pf_blocks(j->gu, (un + 1) * run, (I / nb + un + 1) * run, run * 2, steps, un + 1 >= u1);
-            for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++) {
+            for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, b ^= 1) {
                 const int64_t o = 32 * s;  /* the slice's first output of each half */
                 slice_tiles(j->a, MT, j->gu + tile_at(o, 0, K, nb), j->gu + tile_at(o + 16, 0, K, nb), 32 * nb,
-                            nb * 4, KB, &pf, cg);
+                            nb * 4, KB, &pf, &e, c_gate[b]);
                 slice_tiles(j->a, MT, j->gu + tile_at(I + o, 0, K, nb), j->gu + tile_at(I + o + 16, 0, K, nb),
-                            32 * nb, nb * 4, KB, &pf, cu);
-                for (int64_t m = 0; m < MT; m++)
-                    for (int r = 0; r < 16; r++) {
-                        uint16_t *hr = j->h + packed_at(m * 16 + r, o, I);  /* 32 columns, one tile row */
-                        silu_mul16(hr, cg[m][0] + r * 16, cu[m][0] + r * 16, j->lut);
-                        silu_mul16(hr + 16, cg[m][1] + r * 16, cu[m][1] + r * 16, j->lut);
-                    }
+                            32 * nb, nb * 4, KB, &pf, &e, c_up[b]);
+                epi_finish(&e);
+                e.c0 = (const float (*)[2][256])c_gate[b], e.c1 = (const float (*)[2][256])c_up[b];
+                e.col = o, e.r = 0, e.n = j->mp;
             }
         }
+    epi_finish(&e);
     _tile_release();
     return NULL;
 }
 
+static __thread float c_down[2][MAX_ROWS / 16][2][256] __attribute__((aligned(64)));
+
 /* Down by units of nb outputs (nb/32 slices of 32); each row's weighted result added into
- * out[tok[r]]. */
+ * out[tok[r]], a slice's inside the next slice's pass (Epi). */
 AMX_TARGET static void *down(void *arg) {
     Job *j = (Job *)arg;
     tiles_on();
     const int64_t K = j->I, KB = K / 32, MT = j->mp / 16;
     const int nb = j->nb_dn;
     const int64_t run = K * nb, steps = (nb / 32) * ((MT + 1) / 2) * KB;
-    float cb[MAX_ROWS / 16][2][256] __attribute__((aligned(64)));  /* [row tile][column tile] */
-    int64_t u0, u1;
+    Epi e = {down_rows, j, NULL, NULL, 0, 0, 0, (j->n + ((MT + 1) / 2) * KB - 1) / (((MT + 1) / 2) * KB)};
+    int64_t u0, u1, b = 0;
     while (next_run(j, j->H / nb, &u0, &u1))
         for (int64_t un = u0; un < u1; un++) {
             Pf pf = pf_blocks(j->dn, (un + 1) * run, -1, run * 2, steps, un + 1 >= u1);
-            for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++) {
+            for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, b ^= 1) {
                 const uint16_t *b0 = j->dn + tile_at(32 * s, 0, K, nb), *b1 = j->dn + tile_at(32 * s + 16, 0, K, nb);
-                slice_tiles(j->h, MT, b0, b1, 32 * nb, nb * 4, KB, &pf, cb);
-                for (int64_t row = 0; row < j->n; row++) {
-                    const __m512 w = _mm512_set1_ps(j->tw[row]);
-                    uint16_t *o = j->out + j->tok[row] * j->ldo + 32 * s;
-                    scale_add16(o, cb[row / 16][0] + (row % 16) * 16, w);
-                    scale_add16(o + 16, cb[row / 16][1] + (row % 16) * 16, w);
-                }
+                slice_tiles(j->h, MT, b0, b1, 32 * nb, nb * 4, KB, &pf, &e, c_down[b]);
+                epi_finish(&e);
+                e.c0 = (const float (*)[2][256])c_down[b], e.col = 32 * s, e.r = 0, e.n = j->n;
             }
         }
+    epi_finish(&e);
     _tile_release();
     return NULL;
 }
