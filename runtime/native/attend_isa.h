@@ -22,6 +22,13 @@ _Static_assert(PV_NV >= 1 && PV_NV <= 6, "attend_isa.h: PV_NV must be 1..6 (pv_r
 #ifndef QK_BF16
 #define QK_BF16 0
 #endif
+#ifndef VMAX  /* lane-wise x > m ? x : m (what vmaxps computes, NaN and signed zeros alike) */
+#define VMAX(x, m) ISA_FN(vmax_lanes)(x, m)
+ISA_INLINE VF ISA_FN(vmax_lanes)(VF x, VF m) {
+    for (int u = 0; u < VW; u++) m[u] = x[u] > m[u] ? x[u] : m[u];
+    return m;
+}
+#endif
 
 /* VW lanes of a K or V pool from element `at` (fp32, or bf16 widened). */
 ISA_INLINE VF ISA_FN(kv_ld)(const void *base, int64_t at, int bf) {
@@ -233,10 +240,7 @@ ISA_INLINE void ISA_FN(softmax_chunk)(float *scores, int ss, int n, const int *n
         float mx = m[g];
         if (NV) {
             VF vm = VLD(s);
-            for (int i = VW; i < NV; i += VW) {
-                const VF x = VLD(s + i);
-                for (int u = 0; u < VW; u++) vm[u] = x[u] > vm[u] ? x[u] : vm[u];
-            }
+            for (int i = VW; i < NV; i += VW) vm = VMAX(VLD(s + i), vm);
             for (int u = 0; u < VW; u++) mx = vm[u] > mx ? vm[u] : mx;
         }
         for (int i = NV; i < ng; i++) mx = s[i] > mx ? s[i] : mx;
@@ -288,10 +292,10 @@ ISA_INLINE void ISA_FN(attend_item)(const Job *j, const int64_t *rows, int nr, i
         if (p0 + n < c) pf_span(&pf, j, h, table, p0 + n, c < p0 + n + CHUNK ? c : p0 + n + CHUNK);
         if (p0 == lo) pf_item(&pf, j, next_item);
         pf_pace(&pf, pf_steps);
-        for (int i = 0; i < n; i++) {
-            const int64_t p = p0 + i, blk = table[p / bs], off = p % bs;
-            kat[i] = h * j->k_head + blk * j->k_block + off * j->k_pos;
-            vat[i] = h * j->v_head + blk * j->v_block + off * j->v_pos;
+        for (int64_t i = 0, b = p0 / bs, off = p0 % bs; i < n; i++) {  /* position p0 + i: block b, offset off */
+            kat[i] = h * j->k_head + table[b] * j->k_block + off * j->k_pos;
+            vat[i] = h * j->v_head + table[b] * j->v_block + off * j->v_pos;
+            if (++off == bs) off = 0, b++;
         }
         const void *vb = j->v;  /* the chunk's values: in the pool, or widened into vbuf */
         const int64_t *va = vat;
@@ -354,6 +358,7 @@ ISA_ATTR static void ISA_FN(run_items)(Job *j, float *scratch) {
 #undef VST
 #undef VLDBF
 #undef VSUM8
+#undef VMAX
 #undef PV_NV
 #undef BF16_STAGE_V
 #undef QK_BF16

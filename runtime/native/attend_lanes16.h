@@ -7,5 +7,6 @@
 #define VST st16
 #define VLDBF ldbf16
 #define VSUM8 sum8x16
+#define VMAX(x, m) ((v16)_mm512_max_ps((__m512)(x), (__m512)(m)))
 #define PV_NV 6
 #define BF16_STAGE_V 0

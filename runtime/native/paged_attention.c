@@ -205,6 +205,7 @@ static inline __attribute__((always_inline)) void finish_item(const Job *j, int6
 #define VST st8
 #define VLDBF ldbf8_avx2
 #define VSUM8 sum8x8_avx2
+#define VMAX(x, m) ((v8)_mm256_max_ps((__m256)(x), (__m256)(m)))
 #define PV_NV 3
 #define BF16_STAGE_V 1
 #include "attend_isa.h"
