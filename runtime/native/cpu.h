@@ -1,5 +1,5 @@
 /* What the runtime's native kernels (paged_attention.c, sample_rows.c) share about the CPU:
- * whether their AVX2+FMA clone (and attention's AVX-512 one) may run (the CPU's own feature bits, asked once: GCC's arch=
+ * whether their AVX2+FMA and AVX-512 clones may run (the CPU's own feature bits, asked once: GCC's arch=
  * clones test the model name, which virtual machines often do not report), and running a job
  * on n threads that take work items from it themselves (torch's OpenMP team where it was
  * handed over). Header-only. */

@@ -300,7 +300,7 @@ int moecc_expert_amx(const uint16_t *x, int64_t ldx, const int64_t *tok, const f
         return 1;
     Job j = {x, ldx, tok, tw, n, (n + 15) / 16 * 16, H, I, gu, nb_gu, dn, nb_dn, lut, a, h, out, ldo, 1, 0};
     j.nth = nthreads < 1 ? 1 : nthreads;
-    run_row_items(&j, rows_avx2, rows_base, j.mp, j.H, j.nth);
+    run_row_items(&j, ROW_FNS, j.mp, j.H, j.nth);
     run_threads(gate_up, &j, j.nth, j.nth);
     j.next = 0;
     run_threads(down, &j, j.nth, j.nth);

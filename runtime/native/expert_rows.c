@@ -18,8 +18,8 @@
  * Rounding to bf16 is to nearest even; a NaN stays a NaN (its bits may differ from torch's).
  *
  * Rows run on `nthreads` threads (row_items.h; torch's OpenMP team where one was handed over:
- * cpu.h). Both builds (AVX2+FMA clone, baseline) are the
- * same plain loops and compute the same bits. No torch headers: the runtime passes data
+ * cpu.h). Its builds (AVX-512 and AVX2+FMA clones, baseline) are
+ * the same plain loops and compute the same bits. No torch headers: the runtime passes data
  * pointers (runtime/native/expert_rows.py).
  */
 #include <stdint.h>
@@ -79,7 +79,7 @@ int moecc_silu_mul(const void *gu, int64_t ldg, int64_t R, int64_t I, void *h, i
                    int nthreads) {
     if (R < 0 || I < 0 || ldg < 2 * I || ldh < I || !lut) return 1;
     Job j = {0, gu, ldg, h, ldh, NULL, NULL, lut, R, I, DT_BF16};
-    run_row_items(&j, rows_avx2, rows_base, R, I, nthreads);
+    run_row_items(&j, ROW_FNS, R, I, nthreads);
     return 0;
 }
 
@@ -87,7 +87,7 @@ int moecc_scale_add_rows(void *out, int64_t ldo, const int64_t *rows, int64_t n,
                          const float *w, int64_t H, int dtype, int nthreads) {
     if ((dtype != DT_F32 && dtype != DT_BF16) || n < 0 || H < 0 || ldy < H || ldo < H) return 1;
     Job j = {1, y, ldy, out, ldo, rows, w, NULL, n, H, dtype};
-    run_row_items(&j, rows_avx2, rows_base, n, H, nthreads);
+    run_row_items(&j, ROW_FNS, n, H, nthreads);
     return 0;
 }
 

@@ -16,7 +16,7 @@
  * IEEE. Built without contracting a product and a sum into one fused multiply-add (setup.py).
  *
  * Rows run on `nthreads` threads (row_items.h; torch's OpenMP team where one was handed over:
- * cpu.h); AVX2+FMA clone and baseline compute the same bits. No torch headers: the runtime
+ * cpu.h); the AVX-512 and AVX2+FMA clones and the baseline compute the same bits. No torch headers: the runtime
  * passes data pointers (runtime/native/rmsnorm.py).
  */
 #include <stdint.h>
@@ -134,7 +134,7 @@ int moecc_rmsnorm(const void *x, int64_t xs, int64_t R, int64_t H, const void *w
         return 1;
     if (R == 0 || H == 0) return 0;
     Job j = {x, xs, w, out, R, H, eps, dtype, lanes};
-    run_row_items(&j, rows_avx2, rows_base, R, H, nthreads);
+    run_row_items(&j, ROW_FNS, R, H, nthreads);
     return 0;
 }
 

@@ -13,7 +13,7 @@
  * sum into one fused multiply-add (setup.py). bf16 or fp32, x, the table and out alike.
  *
  * Rows run on `nthreads` threads (row_items.h; torch's OpenMP team where one was handed over:
- * cpu.h). Both builds (AVX2+FMA clone, baseline) are the same
+ * cpu.h). Its builds (AVX-512 and AVX2+FMA clones, baseline) are the same
  * plain loops and compute the same bits. No torch headers: the runtime passes data pointers
  * (runtime/native/rope.py).
  */
@@ -80,7 +80,7 @@ int moecc_rope(const void *x, int64_t xs_t, int64_t xs_h, int64_t T, int64_t hea
     if ((dtype != DT_F32 && dtype != DT_BF16) || T < 0 || heads < 0 || D < 0 || D % 2 || ts < D) return 1;
     if (T == 0 || heads == 0 || D == 0) return 0;
     Job j = {x, xs_t, xs_h, cos, sin, ts, out, T, heads, D, dtype};
-    run_row_items(&j, rows_avx2, rows_base, T, heads * D, nthreads);
+    run_row_items(&j, ROW_FNS, T, heads * D, nthreads);
     return 0;
 }
 

@@ -324,7 +324,7 @@ ROW_ITEMS_BUILDS(GREEDY_BODY)
 int moecc_greedy_rows(const void *x, int dtype, int64_t R, int64_t V, int64_t xs, int64_t *out, int nthreads) {
     if (R < 0 || V < 1 || xs < V || (dtype != DT_F32 && dtype != DT_BF16)) return 1;
     Greedy j = {x, dtype, V, xs, out};
-    run_row_items(&j, rows_avx2, rows_base, R, V, nthreads);
+    run_row_items(&j, ROW_FNS, R, V, nthreads);
     return 0;
 }
 
