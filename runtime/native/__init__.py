@@ -113,8 +113,8 @@ def _load(module: str, symbol: str) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     fn = getattr(lib, symbol)
     fn.argtypes = {"moecc_paged_attention": _ARGTYPES, "moecc_dequant_rows": _DEQUANT_ARGTYPES,
-                   "moecc_silu_mul": _SILU_MUL_ARGTYPES, "moecc_rope": _ROPE_ARGTYPES,
-                   "moecc_rmsnorm": _RMSNORM_ARGTYPES}.get(symbol, _DRAW_ARGTYPES)
+                   "moecc_greedy_rows": _GREEDY_ARGTYPES, "moecc_silu_mul": _SILU_MUL_ARGTYPES,
+                   "moecc_rope": _ROPE_ARGTYPES, "moecc_rmsnorm": _RMSNORM_ARGTYPES}.get(symbol, _DRAW_ARGTYPES)
     fn.restype = ctypes.c_int
     if module == "_paged_attention":
         isa.configure(lib)  # MOECC_NATIVE_ISA
@@ -167,16 +167,13 @@ def greedy_rows(x: torch.Tensor) -> torch.Tensor | None:
     [R] int64, -1 where the row is not finite: the first index of its largest value, as torch's
     max over the row and isfinite give, in one read of each row (sample_rows.c). None: the pass
     was not built, or x is not such a tensor."""
-    lib = _load("_sample_rows", "moecc_draw_rows")
+    lib = _load("_sample_rows", "moecc_greedy_rows")
     if (lib is None or x.device.type != "cpu" or x.dtype not in DTYPE_CODES or x.dim() != 2 or x.stride(-1) != 1
             or x.shape[1] < 1):
         return None
-    fn = lib.moecc_greedy_rows
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _GREEDY_ARGTYPES, ctypes.c_int
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    if fn(x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
-          torch.get_num_threads()) != 0:
+    if lib.moecc_greedy_rows(x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0),
+                             out.data_ptr(), torch.get_num_threads()) != 0:
         return None
     return out
 

@@ -328,16 +328,12 @@ static PyObject *py_expert(PyObject *self, PyObject *const *args, Py_ssize_t n) 
     return PyLong_FromLong(rc);
 }
 
-static PyObject *py_ready(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    (void)self, (void)args;
-    if (n != 0) return PyErr_Format(PyExc_TypeError, "ready takes no arguments");
-    return PyLong_FromLong(moecc_expert_amx_ready());
-}
+PY_READY(moecc_expert_amx_ready)
 
 static PyMethodDef methods[] = {
     {"expert", (PyCFunction)(void (*)(void))py_expert, METH_FASTCALL,
      "expert(x, ldx, tok, tw, n, H, I, gu, nb_gu, down, nb_down, lut, a, h, out, ldo, nthreads) -> 0, 1 or 2"},
-    {"ready", (PyCFunction)(void (*)(void))py_ready, METH_FASTCALL, "ready() -> 1 when AMX runs here"},
+    PY_READY_METHOD,
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_expert_amx",

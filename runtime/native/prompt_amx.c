@@ -305,16 +305,12 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t n) 
     return PyLong_FromLong(rc);
 }
 
-static PyObject *py_ready(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    (void)self, (void)args;
-    if (n != 0) return PyErr_Format(PyExc_TypeError, "ready takes no arguments");
-    return PyLong_FromLong(moecc_prompt_amx_ready());
-}
+PY_READY(moecc_prompt_amx_ready)
 
 static PyMethodDef methods[] = {
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL,
      "attend(q, t, ldq, k, ldk, v, ldv, spans, ns, Hq, Hkv, D, Dv, scale, out, ldo, nthreads) -> 0, 1, 2 or 3"},
-    {"ready", (PyCFunction)(void (*)(void))py_ready, METH_FASTCALL, "ready() -> 1 when AMX runs here"},
+    PY_READY_METHOD,
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_prompt_amx",

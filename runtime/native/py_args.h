@@ -1,6 +1,6 @@
-/* The Python entries' argument reading for the plain-loop kernels (expert_rows.c, rope.c,
- * rmsnorm.c): METH_FASTCALL, pointers and sizes passed as ints. Include after Python.h.
- * Header-only. */
+/* The Python entries' argument reading for the plain-loop and AMX kernels (expert_rows.c, rope.c,
+ * rmsnorm.c, expert_amx.c, prompt_amx.c): METH_FASTCALL, pointers and sizes passed as ints; the
+ * AMX kernels' `ready()`. Include after Python.h. Header-only. */
 #ifndef MOECC_PY_ARGS_H
 #define MOECC_PY_ARGS_H
 
@@ -20,5 +20,16 @@ static int int_args(PyObject *const *args, Py_ssize_t n, Py_ssize_t want, const 
     }
     return 0;
 }
+
+/* An AMX kernel's `ready()` entry and its method-table line: READY_FN() (1: this build and CPU
+ * run the kernel) as a Python int. */
+#define PY_READY(READY_FN)                                                                      \
+    static PyObject *py_ready(PyObject *self, PyObject *const *args, Py_ssize_t n) {            \
+        (void)self, (void)args;                                                                 \
+        if (n != 0) return PyErr_Format(PyExc_TypeError, "ready takes no arguments");           \
+        return PyLong_FromLong(READY_FN());                                                     \
+    }
+#define PY_READY_METHOD \
+    {"ready", (PyCFunction)(void (*)(void))py_ready, METH_FASTCALL, "ready() -> 1 when AMX runs here"}
 
 #endif
