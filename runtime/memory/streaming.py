@@ -80,6 +80,7 @@ class InPlaceWeights:
 
     weight_path: WeightPath | None = None  # nothing is copied to a device
     packed_bytes: int = 0  # weights laid out for the host GEMM (memory/packed_weights.py)
+    holds_together = True  # every expert `experts` yields stays valid while later ones are fetched
 
     def __init__(self, store: WeightStore, plan: PlanView):
         self.store = store
@@ -283,6 +284,8 @@ class Copier:
 
 class StreamedWeights:
     """Weights through the arena (see the module docstring)."""
+
+    holds_together = False  # an expert's slot is handed to a later one: hold one expert at a time
 
     def __init__(self, plan: PlanView, store: WeightStore, arena: DeviceArena, engine: CopyEngine,
                  copier: Copier):

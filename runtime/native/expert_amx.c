@@ -20,6 +20,9 @@
  * to bf16; silu from the same table (expert_rows.py's, torch's F.silu of every bf16 value),
  * times up, rounded; the down row rounded, times tw (fp32), rounded, then added, rounded.
  *
+ * `moecc_expert_amx_layer` runs a whole layer's experts in one call: the routed (token, expert)
+ * slots sorted by expert (a counting sort), then each expert's rows as above, in expert order.
+ *
  * Work: three parallel passes on torch's OpenMP team (cpu.h): the gather by rows (row_items.h);
  * gate/up by units of nb outputs of each half, down by units of nb outputs, each thread a
  * contiguous run of units.
@@ -46,6 +49,7 @@
 #include "row_items.h"
 
 #define MAX_ROWS 512   /* rows per call (the caller chunks); 32 tiles of 16 */
+#define MAX_EXPERTS 4096  /* experts of a layer the layer-wide call takes */
 
 typedef struct {
     const uint16_t *x; int64_t ldx;          /* [T, H] */
@@ -288,6 +292,22 @@ int moecc_expert_amx_ready(void) {
 #endif
 }
 
+#ifdef HAVE_AMX
+/* One job's three passes (rows j->n <= MAX_ROWS), each on the team: the gather, gate/up, down. */
+static void run_expert(Job *j) {
+    run_row_items(j, ROW_FNS, j->mp, j->H, j->nth);
+    j->next = 0;
+    run_threads(gate_up, j, j->nth, j->nth);
+    j->next = 0;
+    run_threads(down, j, j->nth, j->nth);
+}
+
+/* 1: the sizes and layouts the kernel takes (shared by both entries). */
+static int takes(int64_t H, int64_t I, int nb_gu, int nb_dn, int64_t ldx, int64_t ldo) {
+    return !(H % 32 || I % 32 || I % nb_gu || H % nb_dn || nb_gu % 32 || nb_dn % 32 || ldx < H || ldo < H);
+}
+#endif
+
 /* Returns 0 (done), 1 (arguments it does not take: nothing written) or 2 (no AMX here). `a`
  * [Mp, H] and `h` [Mp, I] are the caller's scratch. */
 int moecc_expert_amx(const uint16_t *x, int64_t ldx, const int64_t *tok, const float *tw, int64_t n, int64_t H,
@@ -295,19 +315,54 @@ int moecc_expert_amx(const uint16_t *x, int64_t ldx, const int64_t *tok, const f
                      uint16_t *a, uint16_t *h, uint16_t *out, int64_t ldo, int nthreads) {
 #ifdef HAVE_AMX
     if (!amx_ready()) return 2;
-    if (n < 1 || n > MAX_ROWS || H % 32 || I % 32 || I % nb_gu || H % nb_dn || nb_gu % 32 || nb_dn % 32 ||
-        ldx < H || ldo < H)
-        return 1;
+    if (n < 1 || n > MAX_ROWS || !takes(H, I, nb_gu, nb_dn, ldx, ldo)) return 1;
     Job j = {x, ldx, tok, tw, n, (n + 15) / 16 * 16, H, I, gu, nb_gu, dn, nb_dn, lut, a, h, out, ldo, 1, 0};
     j.nth = nthreads < 1 ? 1 : nthreads;
-    run_row_items(&j, ROW_FNS, j.mp, j.H, j.nth);
-    run_threads(gate_up, &j, j.nth, j.nth);
-    j.next = 0;
-    run_threads(down, &j, j.nth, j.nth);
+    run_expert(&j);
     return 0;
 #else
     (void)x, (void)ldx, (void)tok, (void)tw, (void)n, (void)H, (void)I, (void)gu, (void)nb_gu, (void)dn;
     (void)nb_dn, (void)lut, (void)a, (void)h, (void)out, (void)ldo, (void)nthreads;
+    return 2;
+#endif
+}
+
+/* Every routed expert of a layer in one call: the T*k slots (top_i/top_w [T, k], int64 / fp32)
+ * sorted by expert into tok/tw ([T*k] scratch; a counting sort, slots in order within an expert,
+ * as a stable argsort orders them), then each expert in order, its rows in runs of MAX_ROWS, as
+ * moecc_expert_amx runs them: the same bits as one call per run. gu/dn [E]: each expert's packed
+ * weights (0 for one no slot names); `a`/`h` scratch for min(most rows of an expert, MAX_ROWS)
+ * rows rounded up to 16. Returns 0, 1 (arguments it does not take, nothing written: an index
+ * outside [0, E), a named expert without weights, sizes) or 2 (no AMX here). */
+int moecc_expert_amx_layer(const uint16_t *x, int64_t ldx, int64_t T, int64_t k, const int64_t *top_i,
+                           const float *top_w, int64_t E, const int64_t *gu, const int64_t *dn, int64_t H, int64_t I,
+                           int nb_gu, int nb_dn, const float *lut, int64_t *tok, float *tw, uint16_t *a, uint16_t *h,
+                           uint16_t *out, int64_t ldo, int nthreads) {
+#ifdef HAVE_AMX
+    if (!amx_ready()) return 2;
+    if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || !takes(H, I, nb_gu, nb_dn, ldx, ldo)) return 1;
+    int64_t at[MAX_EXPERTS + 1] = {0};  /* at[e]: expert e's first sorted slot (then its next free one) */
+    for (int64_t s = 0; s < T * k; s++) {
+        const int64_t e = top_i[s];
+        if (e < 0 || e >= E || !gu[e] || !dn[e]) return 1;
+        at[e + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) at[e + 1] += at[e];
+    for (int64_t s = 0; s < T * k; s++) {
+        const int64_t p = at[top_i[s]]++;
+        tok[p] = s / k, tw[p] = top_w[s];
+    }
+    for (int64_t e = 0, lo = 0; e < E; lo = at[e++])  /* at[e] is now expert e's end */
+        for (int64_t r = lo; r < at[e]; r += MAX_ROWS) {
+            const int64_t n = at[e] - r < MAX_ROWS ? at[e] - r : MAX_ROWS;
+            Job j = {x, ldx, tok + r, tw + r, n, (n + 15) / 16 * 16, H, I, (const uint16_t *)(intptr_t)gu[e], nb_gu,
+                     (const uint16_t *)(intptr_t)dn[e], nb_dn, lut, a, h, out, ldo, nthreads < 1 ? 1 : nthreads, 0};
+            run_expert(&j);
+        }
+    return 0;
+#else
+    (void)x, (void)ldx, (void)T, (void)k, (void)top_i, (void)top_w, (void)E, (void)gu, (void)dn, (void)H, (void)I;
+    (void)nb_gu, (void)nb_dn, (void)lut, (void)tok, (void)tw, (void)a, (void)h, (void)out, (void)ldo, (void)nthreads;
     return 2;
 #endif
 }
@@ -328,11 +383,30 @@ static PyObject *py_expert(PyObject *self, PyObject *const *args, Py_ssize_t n) 
     return PyLong_FromLong(rc);
 }
 
+static PyObject *py_layer(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    long long v[21];
+    if (int_args(args, n, 21, "layer", 0, v)) return NULL;
+    int rc;
+#define P(i, type) ((type)(intptr_t)v[i])
+    Py_BEGIN_ALLOW_THREADS
+    rc = moecc_expert_amx_layer(P(0, const uint16_t *), v[1], v[2], v[3], P(4, const int64_t *), P(5, const float *), v[6],
+                                P(7, const int64_t *), P(8, const int64_t *), v[9], v[10], (int)v[11], (int)v[12],
+                                P(13, const float *), P(14, int64_t *), P(15, float *), P(16, uint16_t *),
+                                P(17, uint16_t *), P(18, uint16_t *), v[19], (int)v[20]);
+    Py_END_ALLOW_THREADS
+#undef P
+    return PyLong_FromLong(rc);
+}
+
 PY_READY(moecc_expert_amx_ready)
 
 static PyMethodDef methods[] = {
     {"expert", (PyCFunction)(void (*)(void))py_expert, METH_FASTCALL,
      "expert(x, ldx, tok, tw, n, H, I, gu, nb_gu, down, nb_down, lut, a, h, out, ldo, nthreads) -> 0, 1 or 2"},
+    {"layer", (PyCFunction)(void (*)(void))py_layer, METH_FASTCALL,
+     "layer(x, ldx, T, k, top_i, top_w, E, gu[E], down[E], H, I, nb_gu, nb_down, lut, tok, tw, a, h, out, ldo, "
+     "nthreads) -> 0, 1 or 2"},
     PY_READY_METHOD,
     {NULL, NULL, 0, NULL}};
 

@@ -9,7 +9,8 @@ Numerics follow transformers' eager modules (norms in fp32, routing softmax in f
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import itertools
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -427,6 +428,7 @@ def experts(
     num_experts: int,
     mlp: str | ExpertMLP,
     chunk: int,
+    together: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """Run every expert over all tokens routed to it, in chunks of at most `chunk` tokens,
     one expert after another; experts no token chose are skipped (never fetched).
@@ -434,7 +436,9 @@ def experts(
     learns the whole list first); `mlp` is what an expert computes from them (an activation
     name: the gated MLP over (gate, up, down); see expert_mlp). A silu expert whose weights
     are packed for oneDNN runs as one native call per 512 rows on a CPU with AMX
-    (native/expert_amx.py: the gather, both GEMMs, silu * up and the weighted add, fused).
+    (native/expert_amx.py: the gather, both GEMMs, silu * up and the weighted add, fused), and
+    the whole layer as one such call where `together` says every fetched expert's weights stay
+    valid at once (weights read in place): the same bits.
     x: [T, H]  top_w/top_i: [T, k] -> ([T, H], experts run)."""
     fused = isinstance(mlp, str) and ACTIVATIONS.get(mlp) is F.silu  # one native call where it applies (expert_amx.py)
     if isinstance(mlp, str):
@@ -443,35 +447,51 @@ def experts(
     T, k = top_i.shape
     out = torch.zeros_like(x)  # [T, H]
     flat = top_i.reshape(-1)  # [T*k]
-    order = torch.argsort(flat, stable=True)  # [T*k] slots grouped by expert
     # [E] tokens per expert: scatter_add, not bincount, which on CUDA reads the max back first
     # (two syncs a layer on the first device run, where the read below is the only one needed)
     idx = flat.long()  # itself when int64 (topk's)
     tally = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, idx, torch.ones_like(idx))
     counts = to_list(tally, "route")  # [E]: the layer's one host read
+    used = [e for e, count in enumerate(counts) if count]
+    source = weights = iter(fetch(used))
+    try:
+        if fused and together and used:
+            held = {used[0]: next(source)}
+            if expert_amx.takes(held[used[0]]):  # then every used expert's at once (in place: nothing copied)
+                held.update(zip(used[1:], source))
+                if expert_amx.layer(x, top_w, top_i, counts, held, out):
+                    return out, len(used)
+            weights = itertools.chain(held.values(), source)
+        _run_experts(x, top_w, top_i, counts, used, weights, mlp, chunk, fused, out)
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()  # a fetcher that prefetches ahead releases what it still holds
+    return out, len(used)
+
+
+def _run_experts(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, counts: list[int], used: list[int],
+                 weights: Iterator[tuple[torch.Tensor, ...]], mlp: ExpertMLP, chunk: int, fused: bool,
+                 out: torch.Tensor) -> None:
+    """experts' expert-by-expert loop: the T*k slots sorted by expert (stable: tokens in order
+    within one), each used expert's rows in chunks added into out [T, H]."""
+    k = top_i.shape[1]
+    order = torch.argsort(top_i.reshape(-1), stable=True)  # [T*k] slots grouped by expert
     tok_sorted = order // k  # [T*k] the token of each slot, slots grouped by expert
     w_sorted = top_w.reshape(-1)[order].float()  # [T*k] its routing weight, widened once (exactly) for the layer
-    starts = [0] * num_experts
+    starts = [0] * len(counts)
     acc = 0
     for e, count in enumerate(counts):
         starts[e] = acc
         acc += count
-    used = [e for e, count in enumerate(counts) if count]
-    weights = iter(fetch(used))
-    try:
-        for w, e in zip(weights, used):  # the fetcher first: it sees its own end
-            count = counts[e]
-            for s in range(starts[e], starts[e] + count, chunk):
-                z = min(s + chunk, starts[e] + count)
-                tok, tw = tok_sorted[s:z], w_sorted[s:z]  # [c] each: the chunk's tokens and weights
-                if fused and len(w) == 3 and w[1] is None and expert_amx.expert(x, tok, tw, w[0], w[2], out):
-                    continue
-                y = mlp(_gather_rows(x, tok, w), w)[:tok.shape[0]]  # [c, H]
-                if not expert_rows.scale_add_rows(out, tok, y, tw):  # one pass on the host, same bits
-                    y.mul_(tw[:, None])
-                    out.index_add_(0, tok, y.to(out.dtype))
-    finally:
-        close = getattr(weights, "close", None)
-        if close is not None:
-            close()  # a fetcher that prefetches ahead releases what it still holds
-    return out, len(used)
+    for w, e in zip(weights, used):  # the fetcher first: it sees its own end
+        count = counts[e]
+        for s in range(starts[e], starts[e] + count, chunk):
+            z = min(s + chunk, starts[e] + count)
+            tok, tw = tok_sorted[s:z], w_sorted[s:z]  # [c] each: the chunk's tokens and weights
+            if fused and len(w) == 3 and w[1] is None and expert_amx.expert(x, tok, tw, w[0], w[2], out):
+                continue
+            y = mlp(_gather_rows(x, tok, w), w)[:tok.shape[0]]  # [c, H]
+            if not expert_rows.scale_add_rows(out, tok, y, tw):  # one pass on the host, same bits
+                y.mul_(tw[:, None])
+                out.index_add_(0, tok, y.to(out.dtype))

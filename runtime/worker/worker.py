@@ -554,7 +554,8 @@ class Worker:
             return it if trace is None else trace.experts(it, layer, es)
 
         a = op.attrs
-        out, used = kernels.experts(x[0], top_w, top_i, weights, a["num_experts"], kernels.expert_mlp(a), self.b_e)
+        out, used = kernels.experts(x[0], top_w, top_i, weights, a["num_experts"], kernels.expert_mlp(a), self.b_e,
+                                    together=self.weights.holds_together)
         self.stats.experts_run += used
         return out
 

@@ -26,8 +26,9 @@ from openai.types.chat import ChatCompletion
 from moecc.serve.testing import ServerProcess, cached_plans, data_dir_with_plans
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo-model"
-N = 100  # requests of the batch (2 of them fail: an unknown model); lengths 2..33 tokens, so they finish
-# over the whole run, not together
+N = 100  # requests of the batch (2 of them fail: an unknown model); lengths 2..95 tokens, so they finish
+# over the whole run, not together, and the run outlasts the polls that time the first kill (under a
+# loaded CI a batch of 2..33 tokens could finish between two polls)
 
 
 pytestmark = pytest.mark.slow  # the whole file
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.slow  # the whole file
 def rows() -> list[dict]:
     out = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "demo-model", "messages": [{"role": "user", "content": f"Describe thing {i}"}],
-                     "max_tokens": 2 + i * 3 % 32, "min_tokens": 2 + i * 3 % 32}} for i in range(N - 2)]
+                     "max_tokens": 2 + i * 3 % 32 * 3, "min_tokens": 2 + i * 3 % 32 * 3}} for i in range(N - 2)]
     out += [{"custom_id": f"x{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": "gone-model", "messages": [{"role": "user", "content": "hi"}]}} for i in range(2)]
     return out

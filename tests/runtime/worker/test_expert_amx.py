@@ -168,3 +168,48 @@ def test_experts_same_bits_with_and_without_it(T: int, monkeypatch: pytest.Monke
     assert calls  # the fused kernel ran
     monkeypatch.setenv("MOECC_EXPERT_AMX", "0")
     assert torch.equal(run().view(torch.int16), on.view(torch.int16))
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (300, 8, 2), (1100, 4, 2), (700, 3, 1), (64, 16, 4)])
+def test_layer_call_same_bits_as_one_call_an_expert(T: int, E: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.experts with `together` (the layer-wide call: the slots sorted in C, every expert
+    in one call, runs of MAX_ROWS past 512 rows an expert) gives the bits of one call an
+    expert, experts no token chose never fetched; fp32 and bf16 routing weights alike."""
+    H, I = 64, 96
+    ws = [expert_weights(H, I, e) for e in range(E)]
+    g = torch.Generator().manual_seed(T + E)
+    x = torch.randn(T, H, generator=g).to(BF16)  # [T, H]
+    logits = torch.randn(T, E, generator=g)
+    logits[:, E - 1] = -1e9  # the last expert: no token's choice
+    top_w, top_i = torch.topk(torch.softmax(logits, -1), k)  # [T, k]
+    fetched: list[list[int]] = []
+
+    def run(together: bool, w: torch.Tensor) -> torch.Tensor:
+        def fetch(used: list[int]):
+            fetched.append(used)
+            return (ws[e] for e in used)
+        return kernels.experts(x, w, top_i, fetch, E, "silu", 64, together=together)[0]
+
+    layers = []
+    original = expert_amx.layer
+    monkeypatch.setattr(expert_amx, "layer", lambda *a: layers.append(1) or original(*a))
+    for w in (top_w, top_w.to(BF16)):
+        one_by_one = run(False, w)
+        assert not layers
+        assert torch.equal(run(True, w).view(torch.int16), one_by_one.view(torch.int16))
+        assert layers.pop()
+    assert all(E - 1 not in used for used in fetched)
+
+
+def test_layer_call_declines_without_writing() -> None:
+    """An index outside the layer's experts, or experts of two shapes: False, `out` untouched."""
+    H, I, T = 64, 96, 20
+    ws = {0: expert_weights(H, I, 0), 1: expert_weights(H, I, 1)}
+    x, out = torch.randn(T, H).to(BF16), torch.randn(T, H).to(BF16)
+    before = out.clone()
+    top_w = torch.full((T, 2), 0.5)
+    bad = torch.tensor([[0, 2]] * T)  # expert 2 of 2
+    assert not expert_amx.layer(x, top_w, bad, [T, T], ws, out)
+    other = {0: ws[0], 1: expert_weights(H, 2 * I, 1)}
+    assert not expert_amx.layer(x, top_w, torch.tensor([[0, 1]] * T), [T, T], other, out)
+    assert torch.equal(out.view(torch.int16), before.view(torch.int16))
