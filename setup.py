@@ -41,7 +41,8 @@ def native(name: str, contract: str = "fast") -> Extension:
 
 
 # runtime/native/dequant.c: the formats' host dequantize; expert_rows.c: the element-wise passes
-# around an expert's GEMMs; rope.c: rotary embedding; rmsnorm.c: the norm; expert_amx.c: a routed
+# around an expert's GEMMs; rope.c: rotary embedding; rmsnorm.c: the norm; kv_write.c: a step's K/V
+# rows scattered into the paged pool; expert_amx.c: a routed
 # expert's whole MLP on AMX tiles (its target attribute needs GCC 11 / Clang 12; older compilers
 # build a stub that declines). The last four are built without fused multiply-adds: they round as
 # torch's passes do.
@@ -49,4 +50,4 @@ setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
       ext_modules=[native("_paged_attention"), native("_sample_rows"),
                    native("_dequant"), native("_expert_rows", contract="off"),
                    native("_rope", contract="off"), native("_rmsnorm", contract="off"),
-                   native("_expert_amx", contract="off"), native("_prompt_amx")])
+                   native("_expert_amx", contract="off"), native("_prompt_amx"), native("_kv_write")])

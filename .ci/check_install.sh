@@ -44,7 +44,9 @@ assert extension("_prompt_amx", "moecc_prompt_amx") is not None, "the wheel carr
 print("check_install: the AMX prompt attention", "runs on this CPU" if prompt_amx.available() else "is built (this CPU has no AMX)")
 assert rope._module() is not None, "the wheel carries no host rope (moecc_runtime.native._rope)"
 assert rmsnorm.sum_lanes() is not None, "the wheel's host rmsnorm is missing or disagrees with torch's (moecc_runtime.native._rmsnorm)"
-print("check_install: host attention kernel, sampler pass, dequantize, expert passes, the AMX expert and prompt attention, rope and rmsnorm built into the wheel")
+from moecc_runtime.native import kv_write
+assert kv_write._module() is not None, "the wheel carries no host KV scatter (moecc_runtime.native._kv_write)"
+print("check_install: host attention kernel, sampler pass, dequantize, expert passes, the AMX expert and prompt attention, rope, rmsnorm and the KV scatter built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"
 "$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt

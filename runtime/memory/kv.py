@@ -41,6 +41,7 @@ from moecc_runtime.contract.blocks import seq_blocks
 from moecc_runtime.contract.kv_geometry import KVGeometry
 from moecc_runtime.contract.plan_types import PlanView
 from moecc_runtime.memory import pinned
+from moecc_runtime.native import kv_write
 
 
 class KVFitError(RuntimeError):
@@ -181,8 +182,9 @@ class KVPool:
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """Store K/V of n positions. blocks/offsets: [n] (on the pool's device); k/v: [n, Hkv, D]."""
-        self.k[layer][:, blocks, offsets] = k.transpose(0, 1).to(self.k.dtype)  # [Hkv, n, D]
-        self.v[layer][:, blocks, offsets] = v.transpose(0, 1).to(self.v.dtype)
+        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+            if not kv_write.write(pool, blocks, offsets, x):  # one pass on the host, the same bytes
+                pool[:, blocks, offsets] = x.transpose(0, 1).to(pool.dtype)  # [Hkv, n, D]
 
     def store(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
