@@ -548,14 +548,18 @@ class Worker:
         """Every routed expert over its rows in chunks of b_e, weights from the weights policy."""
         top_w, top_i = x[1]
         trace, layer = self._trace, self._layer
+        together = self.weights.holds_together  # weights in place: the layer may run as one native call
 
         def weights(es: list[int]):
             it = self.weights.experts(op.name, es)
-            return it if trace is None else trace.experts(it, layer, es)
+            return it if trace is None or together else trace.experts(it, layer, es)
 
         a = op.attrs
+        start = time.perf_counter()
         out, used = kernels.experts(x[0], top_w, top_i, weights, a["num_experts"], kernels.expert_mlp(a), self.b_e,
-                                    together=self.weights.holds_together)
+                                    together=together)
+        if trace is not None and together:  # one compute job for the layer's experts (no fetch to tell apart)
+            trace.add(f"L{layer}.experts", "compute", "gemm", layer, start, time.perf_counter())
         self.stats.experts_run += used
         return out
 

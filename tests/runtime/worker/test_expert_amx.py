@@ -213,3 +213,30 @@ def test_layer_call_declines_without_writing() -> None:
     other = {0: ws[0], 1: expert_weights(H, 2 * I, 1)}
     assert not expert_amx.layer(x, top_w, torch.tensor([[0, 1]] * T), [T, T], other, out)
     assert torch.equal(out.view(torch.int16), before.view(torch.int16))
+
+
+def test_the_layer_call_is_one_timed_job_of_the_measured_timeline(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 Mixtral read in place runs each layer's experts as one native call: the measured
+    timeline (`moecc explain --measured`) gets one compute job for them a layer, timed around the
+    call, not per-expert jobs cut at weight hand-outs that no longer bracket any work."""
+    from moecc.compiler import compile_model
+    from moecc.testing.checkpoints import write_checkpoint
+    from moecc_runtime.engine import Engine, generate
+    from moecc_runtime.scheduler.sequence import GenRequest
+
+    path = write_checkpoint(tmp_path / "mixtral", "mixtral", dtype="bfloat16")
+    plan, _ = compile_model(path)
+    layers = []
+    original = expert_amx.layer
+    monkeypatch.setattr(expert_amx, "layer", lambda *a: layers.append(1) or original(*a))
+    engine = Engine(plan, path, "cpu", record_steps=True)  # the timeline is kept with step records
+    try:
+        generate(engine, [GenRequest(str(i), [1, 5 + i, 9, 13 + i], 6) for i in range(8)], lambda r: None)
+        timeline = engine.stats.timeline
+    finally:
+        engine.close()
+    assert layers and timeline
+    for phase, trace in timeline.items():
+        assert not any(".expert." in j[0] for j in trace["jobs"]), phase
+        jobs = [j for j in trace["jobs"] if j[0].endswith(".experts")]
+        assert len(jobs) == trace["layers"] and all(j[1:3] == ["compute", "gemm"] and j[5] > 0 for j in jobs), phase
