@@ -36,7 +36,8 @@ class StepTrace:
 
     def experts(self, it: Iterator[Any], layer: int | None, used: list[int]) -> Iterator[Any]:
         """Wrap an expert-weights iterator: the time between handing out expert e's weights
-        and being asked for the next is expert e's compute."""
+        and being asked for the next is expert e's compute (where experts run one by one; a
+        layer run as one call is recorded as one job by the worker instead)."""
         k = 0
         for w in it:
             t = time.perf_counter()

@@ -406,7 +406,7 @@ class Worker:
                 self._to_host(name, full, rows, x)
                 continue
             last = arg.local[op.name] = self._compute(op, inputs, mb, kv)
-            if trace is not None and kind != "experts":  # experts: one job per expert (StepTrace.experts)
+            if trace is not None and kind != "experts":  # experts: _experts records them (per expert, or per layer)
                 name = f"L{self._layer}.attn.{mb.index}" if kind == "attention" and mb is not None else \
                     f"{module.module}.{op.name}"
                 trace.add(name, "compute", OP_JOB_KIND.get(kind, "glue"), self._layer, t_op, time.perf_counter())
