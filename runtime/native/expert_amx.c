@@ -49,7 +49,7 @@
 #include "row_items.h"
 
 #define MAX_ROWS 512   /* rows per call (the caller chunks); 32 tiles of 16 */
-#define MAX_EXPERTS 4096  /* experts of a layer the layer-wide call takes */
+#define MAX_EXPERTS 4096  /* experts of a layer the layer-wide call takes (its counts on the stack) */
 
 typedef struct {
     const uint16_t *x; int64_t ldx;          /* [T, H] */
@@ -341,7 +341,8 @@ int moecc_expert_amx_layer(const uint16_t *x, int64_t ldx, int64_t T, int64_t k,
 #ifdef HAVE_AMX
     if (!amx_ready()) return 2;
     if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || !takes(H, I, nb_gu, nb_dn, ldx, ldo)) return 1;
-    int64_t at[MAX_EXPERTS + 1] = {0};  /* at[e]: expert e's first sorted slot (then its next free one) */
+    int64_t at[E + 1];  /* at[e]: expert e's first sorted slot (then its next free one) */
+    memset(at, 0, sizeof(at));
     for (int64_t s = 0; s < T * k; s++) {
         const int64_t e = top_i[s];
         if (e < 0 || e >= E || !gu[e] || !dn[e]) return 1;

@@ -53,7 +53,7 @@ int moecc_kv_write(char *pool, int64_t head_stride, int64_t block_stride, int64_
     for (int64_t i = 0; i < n; i++)
         if (blocks[i] < 0 || blocks[i] >= nblocks || offsets[i] < 0 || offsets[i] >= bs) return 1;
     Job j = {pool, head_stride, block_stride, pos_stride, blocks, offsets, src, src_row, src_head, Hkv, row};
-    run_row_items(&j, NULL, NULL, copy_rows, n, Hkv * row / 2, nthreads);
+    run_row_items(&j, NULL, NULL, copy_rows, n, Hkv * row / 2, nthreads);  /* a row's size in 2-byte units: the grain */
     return 0;
 }
 
