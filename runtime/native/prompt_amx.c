@@ -14,11 +14,12 @@
  * one pass (no online rescaling between key blocks) and the exp is this file's, so the bits differ
  * from SDPA's by rounding; prompt_amx.py says where the runtime takes it.
  *
- * Work: items (prompt, query head), the longest prompts first, taken from an atomic counter by
- * torch's threads (cpu.h). A thread lays out the item's KV head's K and V as the tiles the products
- * read (VNNI pairs, keys past n zero) into its own scratch, unless its last item had them (the
- * query heads of a KV head are consecutive items), then for each block of 32 rows: S = Q K^T over
- * the keys the block sees (2 x 2 tiles a step), each row's softmax into P, O = P V (2 x 2 tiles).
+ * Work: items (prompt, a KV head's query heads: all of them, or a share where prompts are too few
+ * to keep the threads busy), the longest prompts first, taken from an atomic counter by torch's
+ * threads (cpu.h). A thread lays out the item's KV head's K and V as the tiles the products read
+ * (VNNI pairs, keys past n zero) into its own scratch, unless its last item had them, then for each
+ * query head and each block of 32 rows: S = Q K^T over the keys the block sees (2 x 2 tiles a
+ * step), each row's softmax into P, O = P V (2 x 2 tiles).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -36,7 +37,8 @@ typedef struct {
     const uint16_t *q, *k, *v; int64_t t, ldq, ldk, ldv;  /* [t, Hq, D], [t, Hkv, D], [t, Hkv, Dv] */
     const int64_t *spans; int64_t ns;                  /* [ns, 2]: rows [lo, hi) of each prompt */
     int64_t Hq, Hkv, D, Dv, Dp, Dvp; float scale;      /* Dp, Dvp: D, Dv rounded up to 32 (zeros) */
-    const int64_t *items; int64_t nitems;              /* [ns * Hq]: s * Hq + g, the longest prompts first */
+    const int64_t *items; int64_t nitems, per;         /* [ns * Hq / per]: s * (Hq / per) + c, the longest */
+                                                       /* prompts first; item c: query heads c * per .. + per */
     uint16_t *out; int64_t ldo;                        /* [t, Hq, Dv] */
     int64_t next;                                      /* the next item to hand out */
 } Job;
@@ -202,15 +204,16 @@ AMX_TARGET static void block(const Job *j, int64_t s, int64_t g, int64_t b, Scra
     }
 }
 
-/* One item: every row block of prompt s, query head g (its KV head's tiles laid out first unless
- * this thread's last item had them). */
-AMX_TARGET static void item(const Job *j, int64_t s, int64_t g, Scratch *w) {
-    const int64_t h = g / (j->Hq / j->Hkv), n = SPAN_N(j, s);
+/* One item: every row block of prompt s for query heads g0 .. g0 + per - 1 (one KV head's: its
+ * tiles laid out first unless this thread's last item had them). */
+AMX_TARGET static void item(const Job *j, int64_t s, int64_t g0, Scratch *w) {
+    const int64_t h = g0 / (j->Hq / j->Hkv), n = SPAN_N(j, s);
     if (w->s_at != s || w->h_at != h) {
         lay_out(j, s, h, w->kv);
         w->s_at = s, w->h_at = h;
     }
-    for (int64_t b = 0; b < (n + 31) / 32; b++) block(j, s, g, b, w, w->kv, w->kv + ROUND32(n) * j->Dp);
+    for (int64_t g = g0; g < g0 + j->per; g++)
+        for (int64_t b = 0; b < (n + 31) / 32; b++) block(j, s, g, b, w, w->kv, w->kv + ROUND32(n) * j->Dp);
 }
 
 /* Sizes of a Scratch's parts for prompts of up to nk keys, in bytes (each a multiple of 64). */
@@ -231,21 +234,23 @@ AMX_TARGET static void *attend_items(void *arg) {
     for (;;) {
         const int64_t it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (it >= j->nitems) break;
-        item(j, j->items[it] / j->Hq, j->items[it] % j->Hq, &w);
+        const int64_t per_s = j->Hq / j->per;  /* items a prompt */
+        item(j, j->items[it] / per_s, j->items[it] % per_s * j->per, &w);
     }
     _tile_release();
     free(mem);
     return NULL;
 }
 
-/* qsort_r's order of items s * Hq + g (arg: an Order): longer prompts first, then by s and g,
- * so a thread's consecutive items share a KV head's tiles and the last items are the shortest. */
-typedef struct { const int64_t *spans; int64_t Hq; } Order;
+/* qsort_r's order of items s * m + c (arg: an Order, m items a prompt): longer prompts first,
+ * then by s and c, so a thread's consecutive items share a KV head's tiles and the last items are
+ * the shortest. */
+typedef struct { const int64_t *spans; int64_t m; } Order;
 
 static int longer_first(const void *a, const void *b, void *arg) {
     const Order *o = (const Order *)arg;
     const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    const int64_t nx = SPAN_N_RAW(o->spans, x / o->Hq), ny = SPAN_N_RAW(o->spans, y / o->Hq);
+    const int64_t nx = SPAN_N_RAW(o->spans, x / o->m), ny = SPAN_N_RAW(o->spans, y / o->m);
     return nx != ny ? (nx > ny ? -1 : 1) : (x < y ? -1 : x > y);
 }
 #endif
@@ -271,14 +276,17 @@ int moecc_prompt_amx(const uint16_t *q, int64_t t, int64_t ldq, const uint16_t *
         return 1;
     for (int64_t s = 0; s < ns; s++)
         if (SPAN_N_RAW(spans, s) < 1 || spans[2 * s] < 0 || spans[2 * s + 1] > t) return 1;
-    const int64_t nitems = ns * Hq;
+    const int nth = nthreads < 1 ? 1 : nthreads;
+    int64_t per = Hq / Hkv;  /* a KV head's query heads an item (one lay-out of its tiles), halved while */
+    while (per % 2 == 0 && ns * Hq / per < 4 * nth) per /= 2;  /* too few items to share among the threads */
+    const int64_t nitems = ns * Hq / per;
     int64_t *items = malloc((size_t)nitems * sizeof *items);
     if (!items) return 3;
     for (int64_t i = 0; i < nitems; i++) items[i] = i;
-    Order order = {spans, Hq};
+    Order order = {spans, Hq / per};
     qsort_r(items, (size_t)nitems, sizeof *items, longer_first, &order);
-    Job j = {q, k, v, t, ldq, ldk, ldv, spans, ns, Hq, Hkv, D, Dv, ROUND32(D), ROUND32(Dv), scale, items, nitems, out, ldo, 0};
-    const int nth = nthreads < 1 ? 1 : nthreads;
+    Job j = {q, k, v, t, ldq, ldk, ldv, spans, ns, Hq, Hkv, D, Dv, ROUND32(D), ROUND32(Dv), scale, items, nitems, per,
+             out, ldo, 0};
     run_threads(attend_items, &j, nth, nitems);
     free(items);
     return j.next >= nitems ? 0 : 3;  /* no thread had scratch: nothing taken */

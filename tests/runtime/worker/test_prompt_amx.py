@@ -74,6 +74,20 @@ def test_threads_agree_bitwise():
     assert torch.equal(outs[0], outs[1])
 
 
+@needs_amx
+@pytest.mark.parametrize("Hq, Hkv", [(8, 2), (8, 1), (12, 4), (4, 4)])
+def test_a_prompt_alone_has_its_bits_among_many(Hq, Hkv):
+    """A work item is a KV head's query heads, split when prompts are too few for the threads:
+    either way a prompt's rows get the same bits."""
+    q, k, v, spans = _case([300, 77, 450, 129, 64, 33, 200, 90, 301], Hq, Hkv, 96, 96, seed=7)
+    together = torch.empty(q.shape[0], Hq, 96, dtype=torch.bfloat16)
+    assert prompt_amx.attend(q, k, v, spans, 0.1, together)
+    for lo, hi in spans[:3]:
+        alone = torch.empty(hi - lo, Hq, 96, dtype=torch.bfloat16)
+        assert prompt_amx.attend(q[lo:hi], k[lo:hi], v[lo:hi], [(0, hi - lo)], 0.1, alone)
+        assert torch.equal(alone.view(torch.int16), together[lo:hi].view(torch.int16))
+
+
 @pytest.mark.parametrize("what", ["fp32", "dim", "heads", "span", "off"])
 def test_declines_what_it_does_not_take(what, monkeypatch):
     q, k, v, spans = _case([40, 20], 4, 2, 32, 32)
