@@ -1,7 +1,7 @@
 """Causal attention of fresh prompts on a CPU with AMX (prompt_amx.c,
 `moecc_runtime.native._prompt_amx`): every prompt of a prefill step whose rows are its whole
-context, in one native call, bf16 in and out. torch's SDPA runs such prompts at 220-400 GFLOP/s
-on two cores of an AMX Xeon (300-600 tokens, head dim 96), the kernel at 500-790, 1.95-2.24x: the
+context, in one native call, bf16 in and out. torch's SDPA runs such prompts at 230-430 GFLOP/s
+on two cores of an AMX Xeon (300-600 tokens, head dim 96), the kernel at 630-930, 2.2-2.7x: the
 products on the tiles, the softmax in AVX-512 (`python bench/attention.py --prompts 300,450,600
 --seqs 16 --dtypes bfloat16`).
 

@@ -70,7 +70,7 @@ def _amx_prompt_rows() -> int | None:
 
 
 #: fresh prompts of at least this many rows attend on AMX tiles in bf16 (native/prompt_amx.py:
-#: 1.95-2.24x torch's SDPA for 16 prompts of 300-600 tokens on an AMX Xeon, `python
+#: 2.2-2.7x torch's SDPA for 16 prompts of 300-600 tokens on an AMX Xeon, `python
 #: bench/attention.py --prompts 300,450,600 --seqs 16 --dtypes bfloat16`); None: none do. Shorter
 #: ones keep SDPA, which rounds as transformers' own prefill does
 AMX_PROMPT_ROWS: int | None = _amx_prompt_rows()
