@@ -277,8 +277,12 @@ int moecc_prompt_amx(const uint16_t *q, int64_t t, int64_t ldq, const uint16_t *
     for (int64_t s = 0; s < ns; s++)
         if (SPAN_N_RAW(spans, s) < 1 || spans[2 * s] < 0 || spans[2 * s + 1] > t) return 1;
     const int nth = nthreads < 1 ? 1 : nthreads;
-    int64_t per = Hq / Hkv;  /* a KV head's query heads an item (one lay-out of its tiles), halved while */
-    while (per % 2 == 0 && ns * Hq / per < 4 * nth) per /= 2;  /* too few items to share among the threads */
+    int64_t per = Hq / Hkv;  /* a KV head's query heads an item (one lay-out of its tiles); while too few */
+    while (per > 1 && ns * Hq / per < 4 * nth) {  /* items to share among the threads, the next divisor down */
+        int64_t d = per - 1;
+        while ((Hq / Hkv) % d) d--;
+        per = d;
+    }
     const int64_t nitems = ns * Hq / per;
     int64_t *items = malloc((size_t)nitems * sizeof *items);
     if (!items) return 3;

@@ -75,7 +75,7 @@ def test_threads_agree_bitwise():
 
 
 @needs_amx
-@pytest.mark.parametrize("Hq, Hkv", [(8, 2), (8, 1), (12, 4), (4, 4)])
+@pytest.mark.parametrize("Hq, Hkv", [(8, 2), (8, 1), (12, 4), (6, 2), (4, 4)])
 def test_a_prompt_alone_has_its_bits_among_many(Hq, Hkv):
     """A work item is a KV head's query heads, split when prompts are too few for the threads:
     either way a prompt's rows get the same bits."""
