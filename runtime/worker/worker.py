@@ -58,6 +58,18 @@ from moecc_runtime.worker.timeline import StepTrace, pick_trace
 
 
 
+def _sums_kept(schedule: Sequence[Module]) -> dict[str, str]:
+    """add op -> the host buffer that keeps its sum: the buffer op right after the add (transfer
+    ops aside) whose one input it is, the pattern every residual add ends its module with."""
+    out: dict[str, str] = {}
+    for m in schedule:
+        ops = [op for op in m.ops if op.op not in TRANSFER_OPS]
+        for op, nxt in zip(ops, ops[1:]):
+            if op.op == "add" and nxt.op == "host_buffer" and list(nxt.inputs) == [op.name]:
+                out[op.name] = nxt.name
+    return out
+
+
 def _layer_experts(schedule: Sequence[Module]) -> list[Op | None]:
     """Per module: for an attention module, the experts op of the same layer that follows it."""
     out: list[Op | None] = [None] * len(schedule)
@@ -208,6 +220,7 @@ class Worker:
         # lives do not overlap and whose rows are the same size), as the planner counts them
         self._slot_of = {op.name: op.attrs.get("slot", op.name) for m in self.schedule for op in m.ops
                          if op.op == "host_buffer"}
+        self._sums_kept = {} if self.cuda else _sums_kept(self.schedule)  # add -> its host buffer (_add_into)
         self._host_bufs: dict[Any, torch.Tensor] = {}  # host buffer storage (bytes) by slot, reused
         self._host_ready: dict[Any, Any] = {}  # CUDA: slot -> event after its last device->host write
         self._host_read: dict[Any, Any] = {}  # CUDA: slot -> event after its last non-blocking read
@@ -388,6 +401,7 @@ class Worker:
         trace = self._trace
         dev = self._dev
         handover: list[tuple[str, Any]] = []  # outputs kept on the device, written after the run's ops
+        summed: dict[str, torch.Tensor] = {}  # host buffer -> its rows an add wrote in place (_add_into)
         for op in module.ops:
             kind = op.op
             if kind in TRANSFER_OPS:  # the weights policy and the KV staging did these (memory/)
@@ -400,12 +414,18 @@ class Worker:
                 if dev is not None and name in dev.offsets:
                     handover.append((name, x))
                     continue
+                if summed.get(name) is x:  # the add wrote these rows in place
+                    self.host_buffer_writes += 1
+                    continue
                 full = env.get(name)
                 if full is None:  # [T, ...] on the host, filled micro-batch by micro-batch
                     full = env[name] = self._host_buffer(name, (b.T, *x.shape[1:]), x.dtype)
                 self._to_host(name, full, rows, x)
                 continue
-            last = arg.local[op.name] = self._compute(op, inputs, mb, kv)
+            into = self._add_into(op, inputs, env, b.T, rows) if op.name in self._sums_kept else None
+            if into is not None:
+                summed[self._sums_kept[op.name]] = into
+            last = arg.local[op.name] = into if into is not None else self._compute(op, inputs, mb, kv)
             if trace is not None and kind != "experts":  # experts: _experts records them (per expert, or per layer)
                 name = f"L{self._layer}.attn.{mb.index}" if kind == "attention" and mb is not None else \
                     f"{module.module}.{op.name}"
@@ -420,6 +440,25 @@ class Worker:
                 full[arg.rows_dev] = x.to(full.device)
             env[name] = full
         return last
+
+    def _add_into(self, op: Op, x: list[Any], env: dict[str, torch.Tensor], T: int,
+                  rows: slice | torch.Tensor) -> torch.Tensor | None:
+        """A CPU run's residual add written straight into the rows of the host buffer that keeps
+        its sum (`_sums_kept`): the same bits as `x[0] + x[1]` then the buffer's copy, without
+        the copy or a fresh [t, H]. The buffer never holds an input of its own module (the
+        planner's slots: insert_host_buffers.assign_slots). None where this does not apply (rows
+        by index, a value kept on the device, shapes that broadcast); the caller computes it."""
+        name = self._sums_kept[op.name]
+        if not isinstance(rows, slice) or (self._dev is not None and name in self._dev.offsets) \
+                or x[0].shape != x[1].shape:
+            return None
+        full = env.get(name)
+        if full is None:  # [T, ...] on the host, as the host_buffer op would make it
+            full = env[name] = self._host_buffer(name, (T, *x[0].shape[1:]), torch.result_type(x[0], x[1]))
+        dst = full[rows]
+        if dst.shape != x[0].shape:
+            return None
+        return torch.add(x[0], x[1], out=dst)
 
     def _rows_on_device(self, rows: slice | torch.Tensor) -> slice | torch.Tensor:
         """Row indexes on the compute device, sent once per step (the head's last rows are
