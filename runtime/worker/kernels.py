@@ -278,20 +278,27 @@ def attend_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: lis
     PROMPT_PAD_RATIO 1), so causality alone keeps every real query off the (zeroed) padding.
     Multi-head attention without sinks or a window shorter than the prompts.
     q: [t, Hq, D]  k/v: [t, Hkv, D] -> out[lo:hi] [n, Hq, D]."""
-    Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
     for group in prompt_batches(spans):
-        n = group[0][1] - group[0][0]
-        padded = any(hi - lo != n for lo, hi in group)
-        new = torch.zeros if padded else torch.empty
-        qb = new(len(group), n, Hq, D, dtype=q.dtype)  # [S, n, Hq, D]
-        kb, vb = new(len(group), n, Hkv, D, dtype=k.dtype), new(len(group), n, Hkv, v.shape[-1], dtype=v.dtype)
-        for i, (lo, hi) in enumerate(group):
-            qb[i, :hi - lo], kb[i, :hi - lo], vb[i, :hi - lo] = q[lo:hi], k[lo:hi], v[lo:hi]
+        S, n = len(group), group[0][1] - group[0][0]
+        rows = (torch.tensor([lo for lo, _ in group])[:, None] + torch.arange(n)).reshape(-1)  # [S*n] rows of q/k/v, out
+        at = torch.arange(S * n)  # [S*n] places in the batch
+        if any(hi - lo != n for lo, hi in group):  # padded: only each prompt's own rows
+            real = (torch.arange(n) < torch.tensor([hi - lo for lo, hi in group])[:, None]).reshape(-1)  # [S*n]
+            rows, at = rows[real], at[real]  # [r]
+        qb, kb, vb = (_padded(x, rows, at, S * n).view(S, n, *x.shape[1:]) for x in (q, k, v))  # [S, n, H*, D]
         o = sdpa(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
                  is_causal=True, scale=scale, enable_gqa=True)  # [S, Hq, n, Dv]
-        o = o.transpose(1, 2)  # [S, n, Hq, Dv]
-        for i, (lo, hi) in enumerate(group):
-            out[lo:hi] = o[i, :hi - lo]
+        o = o.transpose(1, 2).reshape(S * n, o.shape[1], o.shape[3])  # [S*n, Hq, Dv]
+        out.index_copy_(0, rows, o.index_select(0, at).to(out.dtype))
+
+
+def _padded(x: torch.Tensor, rows: torch.Tensor, at: torch.Tensor, m: int) -> torch.Tensor:
+    """x's `rows` placed at `at` of m rows, the others zero: [m, ...] (a gather alone where no
+    row is padding)."""
+    picked = x.index_select(0, rows)  # [r, ...]
+    if rows.numel() == m:
+        return picked
+    return x.new_zeros((m, *x.shape[1:])).index_copy_(0, at, picked)
 
 
 def route(x: torch.Tensor, w: torch.Tensor, a: dict, bias: torch.Tensor | None = None
