@@ -294,7 +294,8 @@ def _finish_reason(s: Sequence, tok: int, eos: set[int],
     """Why `s` ends with its new token `tok` ("stop": EOS or a stop string; "length": its
     max_tokens), or None while it goes on."""
     req = _request(s)
-    reason = "stop" if tok in eos else "length" if len(s.generated) >= s.max_new else None
-    if req.stop and stop_check is not None and len(s.generated) >= req.min_tokens and stop_check(req, s.generated):
+    made = len(s.tokens) - s.prompt_len  # len(s.generated), without its copy
+    reason = "stop" if tok in eos else "length" if made >= s.max_new else None
+    if req.stop and stop_check is not None and made >= req.min_tokens and stop_check(req, s.generated):
         reason = "stop"
     return reason

@@ -212,6 +212,8 @@ class BlockAllocator:
         if start + n > len(table) * bs:
             raise IndexError(f"sequence {sid}: positions up to {start + n} not reserved "
                              f"({len(table)} blocks of {bs})")
+        if n == 1:  # a decode position (most calls)
+            return [table[start // bs]], [start % bs]
         return ([table[p // bs] for p in range(start, start + n)], [p % bs for p in range(start, start + n)])
 
     # -- checks ------------------------------------------------------------------------------

@@ -127,7 +127,9 @@ class Scheduler:
         by_sid = {s.sid: s for s in self.running}
         for c in plan.seqs:
             s = by_sid[c.sid]
-            s.cached += c.n
+            s.cached += len(c.tokens)
+            if c.start >= s.prompt_len:
+                continue  # its prompt's blocks were registered when its last prompt chunk ran
             # only prompt blocks become shareable prefixes: a generated block could match only a
             # later prompt holding this very completion, which a batch submitted at once never has;
             # unregistered, it goes back to the free list (reused first) when the sequence ends, so
@@ -167,6 +169,8 @@ class Scheduler:
 
     def _admit(self, admit_new: bool) -> None:
         """Fill free slots while the prefill budget lasts and the pool has room to spare."""
+        if not (self.preempted or (self.queue and admit_new)):
+            return  # nothing waits (every step once the queue is drained)
         budget = self.budget_per_step - sum(min(s.pending, self.budget_per_step) for s in self.running if s.pending > 1)
         used = sum(s.slots for s in self.running)
         computing = self._computing_prefixes()
@@ -274,10 +278,11 @@ class Scheduler:
 def _plan_work(running: list[Sequence], budget: int) -> Work:
     work = []
     for s in running:
-        if s.pending == 1:
+        pending = len(s.tokens) - s.cached
+        if pending == 1:
             work.append((s, 1))
         elif budget > 0:
-            n = min(s.pending, budget)
+            n = min(pending, budget)
             budget -= n
             work.append((s, n))
     return work
@@ -289,14 +294,16 @@ def emit_step(blocks: BlockAllocator, work: Work, new_blocks: list[int], all_row
     `new_blocks` those reserved for it, `copies` the copies on write that made them its own.
     guarantees: the step plan of `work`, its phase "prefill" when most of its rows are."""
     chunks = []
+    prefill = total = 0
     for s, n in work:
-        if not 0 < n <= s.pending:
+        c = s.cached
+        if not 0 < n <= len(s.tokens) - c:
             raise ValueError(f"sequence {s.sid}: asked to run {n} of {s.pending} pending tokens")
-        slot_blocks, slot_offsets = blocks.slots(s.sid, s.cached, n)
-        chunks.append(SeqChunk(s.sid, s.tokens[s.cached:s.cached + n], s.cached, list(blocks.tables[s.sid]),
-                               slot_blocks, slot_offsets, n > 1 or s.cached < s.prompt_len,
-                               s.cached + n == len(s.tokens), s.scores_prompt and s.cached < s.prompt_len))
-    prefill, total = sum(c.n for c in chunks if c.prefill), sum(c.n for c in chunks)
+        slot_blocks, slot_offsets = blocks.slots(s.sid, c, n)
+        in_prompt = n > 1 or c < s.prompt_len
+        chunks.append(SeqChunk(s.sid, s.tokens[c:c + n], c, list(blocks.tables[s.sid]), slot_blocks, slot_offsets,
+                               in_prompt, c + n == len(s.tokens), c < s.prompt_len and s.scores_prompt))
+        prefill, total = prefill + n * in_prompt, total + n
     return StepPlan(chunks, "prefill" if 2 * prefill > total else "decode", new_blocks, blocks.usage(), all_rows,
                     copies)
 

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
 from moecc_runtime.scheduler.blocks import KVUsage
 
 
-@dataclass(frozen=True)
-class SeqChunk:
-    """One sequence's share of a step: `tokens` at positions start..start+len(tokens)-1."""
+class SeqChunk(NamedTuple):
+    """One sequence's share of a step: `tokens` at positions start..start+len(tokens)-1. (A named
+    tuple: immutable as a frozen dataclass, built in a quarter of its time; a step makes one a
+    sequence.)"""
 
     sid: int
     tokens: list[int]
@@ -42,9 +44,10 @@ class SeqChunk:
     def head_rows(self, all_rows: bool = False) -> range:
         """Offsets of this chunk's rows that reach the head (whose logits the step returns):
         every row when scoring (or `all_rows`), the last one when it finishes, else none."""
+        n = len(self.tokens)
         if self.score or all_rows:
-            return range(self.n)
-        return range(self.n - 1, self.n) if self.finishes else range(0)
+            return range(n)
+        return range(n - 1, n) if self.finishes else range(0)
 
 
 @dataclass(frozen=True)

@@ -80,12 +80,14 @@ class StepBatch:
         spans: list[tuple[int, int]] = []
         last: list[int] = []
         for c in plan.seqs:
-            spans.append((len(ids), len(ids) + c.n))
+            r0, n = len(ids), len(c.tokens)
+            spans.append((r0, r0 + n))
             ids.extend(c.tokens)
-            pos.extend(range(c.start, c.start + c.n))
+            pos.extend(range(c.start, c.start + n))
             blk.extend(c.slot_blocks)
             off.extend(c.slot_offsets)
-            last.extend(len(ids) - c.n + j for j in c.head_rows(plan.all_rows))
+            heads = c.head_rows(plan.all_rows)
+            last.extend(range(r0 + heads.start, r0 + heads.stop))
         rows = torch.tensor(last, dtype=torch.long)
         return cls(plan.seqs, len(ids), torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                    spans, torch.tensor(blk, dtype=torch.long), torch.tensor(off, dtype=torch.long),
