@@ -20,8 +20,10 @@ The packed copy costs anonymous host memory equal to the weights' bytes (the map
 pages become reclaimable page cache), so packing happens only when that fits in half of the
 memory available at start-up and oneDNN runs the compute dtype here (`in_place_weights`);
 MOECC_PACK=0 turns it off. bf16 results
-are bit-identical to F.linear (torch's bf16 GEMM is oneDNN's too); fp32 ones agree to ~1e-6
-relative (another summation order). Row counts are bucketed (`bucket_rows`): oneDNN JITs a
+are F.linear's bits at most shapes (torch's bf16 GEMM is oneDNN's too), not all: oneDNN picks its
+kernel by the packed layout and the row count, and on an AMX Xeon a 768 x 768 weight at 512 rows
+or a 1152 x 768 one at 1,024 rounds apart from F.linear; fp32 ones agree to ~1e-6 relative
+(another summation order). Row counts are bucketed (`bucket_rows`): oneDNN JITs a
 kernel per row count, which on an AMX Xeon cost more than the GEMMs it ran.
 """
 

@@ -288,7 +288,8 @@ def attend_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: lis
         qb, kb, vb = (_padded(x, rows, at, S * n).view(S, n, *x.shape[1:]) for x in (q, k, v))  # [S, n, H*, D]
         o = sdpa(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
                  is_causal=True, scale=scale, enable_gqa=True)  # [S, Hq, n, Dv]
-        o = o.transpose(1, 2).reshape(S * n, o.shape[1], o.shape[3])  # [S*n, Hq, Dv]
+        Hq, Dv = o.shape[1], o.shape[3]
+        o = o.transpose(1, 2).reshape(S * n, Hq, Dv)  # [S*n, Hq, Dv]
         out.index_copy_(0, rows, o.index_select(0, at).to(out.dtype))
 
 
