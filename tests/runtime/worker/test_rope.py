@@ -106,3 +106,28 @@ def test_native_pass_taken_with_torch_bits(monkeypatch, dtype: torch.dtype) -> N
     monkeypatch.undo()
     assert native_rope.rope(x.half(), cos.half(), sin.half()) is None
     assert native_rope.rope(x.transpose(1, 2)[:, :, :Hq + Hkv].contiguous().transpose(1, 2), cos, sin) is None
+
+
+@pytest.mark.skipif(native_rope._module() is None, reason="the native rope was not built")
+@pytest.mark.parametrize("D", [2, 32, 80, 96, 200])
+def test_native_bf16_bits_with_subnormal_nan_and_inf_lanes(monkeypatch, D: int) -> None:
+    """bf16 rows rounded 16 lanes at a time (AVX512-BF16's conversion where the CPU has it) give
+    torch's bits where a lane is subnormal, NaN or infinite too (those blocks take the integer
+    rounding), and in the lanes past the last block of 16 (D / 2 of 1, 40, 100); NaN where torch
+    has NaN."""
+    g = torch.Generator().manual_seed(D)
+    T, heads = 41, 5
+    x = torch.randn(T, heads, D, generator=g) * 4  # [T, heads, D]
+    cos, sin = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)  # [T, D]
+    m = torch.rand(T, heads, D, generator=g)
+    x[m < 0.01], x[(m >= 0.01) & (m < 0.03)], x[(m >= 0.03) & (m < 0.04)] = float("nan"), 1e-39, float("inf")
+    x[3], x[4] = 1e-38, 3e-39  # whole rows whose products are subnormal
+    mc = torch.rand(T, D, generator=g)
+    cos[mc < 0.03], sin[mc > 0.97] = 1e-20, -2e-20
+    x, cos, sin = x.bfloat16(), cos.bfloat16(), sin.bfloat16()
+    got = native_rope.rope(x, cos, sin)
+    monkeypatch.setattr(native_rope, "_module", lambda: None)
+    want = kernels.apply_rope(x, cos, sin)
+    nan = torch.isnan(want)
+    assert got is not None and torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.masked_fill(nan, 0).view(torch.int16), want.masked_fill(nan, 0).view(torch.int16))
