@@ -18,8 +18,8 @@
  * at once with its conversion (vcvtneps2bf16: to nearest even, as bf16.h's f2bf, but subnormal
  * inputs taken as zero and NaN's payload kept), so a block of 16 in which any value it rounds is
  * subnormal or NaN runs the plain loop instead: the same bits either way, the integer rounding
- * (~1.6 cycles an element a thread) skipped where it is not needed. No torch headers: the runtime passes data pointers
- * (runtime/native/rope.py).
+ * (~1.6 cycles an element a thread) skipped where it is not needed. No torch headers: the
+ * runtime passes data pointers (runtime/native/rope.py).
  */
 #include <stdint.h>
 #include <string.h>
