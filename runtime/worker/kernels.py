@@ -281,23 +281,23 @@ def attend_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: lis
     for group in prompt_batches(spans):
         S, n = len(group), group[0][1] - group[0][0]
         rows = (torch.tensor([lo for lo, _ in group])[:, None] + torch.arange(n)).reshape(-1)  # [S*n] rows of q/k/v, out
-        at = torch.arange(S * n)  # [S*n] places in the batch
+        at = None  # [r] places of those rows in the batch where some are padding
         if any(hi - lo != n for lo, hi in group):  # padded: only each prompt's own rows
             real = (torch.arange(n) < torch.tensor([hi - lo for lo, hi in group])[:, None]).reshape(-1)  # [S*n]
-            rows, at = rows[real], at[real]  # [r]
+            rows, at = rows[real], torch.arange(S * n)[real]  # [r]
         qb, kb, vb = (_padded(x, rows, at, S * n).view(S, n, *x.shape[1:]) for x in (q, k, v))  # [S, n, H*, D]
         o = sdpa(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
                  is_causal=True, scale=scale, enable_gqa=True)  # [S, Hq, n, Dv]
         Hq, Dv = o.shape[1], o.shape[3]
         o = o.transpose(1, 2).reshape(S * n, Hq, Dv)  # [S*n, Hq, Dv]
-        out.index_copy_(0, rows, o.index_select(0, at).to(out.dtype))
+        out.index_copy_(0, rows, (o if at is None else o.index_select(0, at)).to(out.dtype))
 
 
-def _padded(x: torch.Tensor, rows: torch.Tensor, at: torch.Tensor, m: int) -> torch.Tensor:
-    """x's `rows` placed at `at` of m rows, the others zero: [m, ...] (a gather alone where no
-    row is padding)."""
+def _padded(x: torch.Tensor, rows: torch.Tensor, at: torch.Tensor | None, m: int) -> torch.Tensor:
+    """x's `rows` placed at `at` of m rows, the others zero: [m, ...] (the gather alone where `at`
+    is None: no row is padding)."""
     picked = x.index_select(0, rows)  # [r, ...]
-    if rows.numel() == m:
+    if at is None:
         return picked
     return x.new_zeros((m, *x.shape[1:])).index_copy_(0, at, picked)
 

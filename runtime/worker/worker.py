@@ -417,10 +417,7 @@ class Worker:
                 if summed.get(name) is x:  # the add wrote these rows in place
                     self.host_buffer_writes += 1
                     continue
-                full = env.get(name)
-                if full is None:  # [T, ...] on the host, filled micro-batch by micro-batch
-                    full = env[name] = self._host_buffer(name, (b.T, *x.shape[1:]), x.dtype)
-                self._to_host(name, full, rows, x)
+                self._to_host(name, self._step_buffer(env, name, b.T, x.shape[1:], x.dtype), rows, x)
                 continue
             into = self._add_into(op, inputs, env, b.T, rows) if op.name in self._sums_kept else None
             if into is not None:
@@ -452,13 +449,19 @@ class Worker:
         if not isinstance(rows, slice) or (self._dev is not None and name in self._dev.offsets) \
                 or x[0].shape != x[1].shape:
             return None
-        full = env.get(name)
-        if full is None:  # [T, ...] on the host, as the host_buffer op would make it
-            full = env[name] = self._host_buffer(name, (T, *x[0].shape[1:]), torch.result_type(x[0], x[1]))
-        dst = full[rows]
+        dst = self._step_buffer(env, name, T, x[0].shape[1:], torch.result_type(x[0], x[1]))[rows]
         if dst.shape != x[0].shape:
             return None
         return torch.add(x[0], x[1], out=dst)
+
+    def _step_buffer(self, env: dict[str, torch.Tensor], name: str, T: int, row: Any, dtype: torch.dtype
+                     ) -> torch.Tensor:
+        """Host buffer `name` of this step, [T, *row] on the host: made (`_host_buffer`) by the
+        first module run that writes it, then filled run by run (micro-batches)."""
+        full = env.get(name)
+        if full is None:
+            full = env[name] = self._host_buffer(name, (T, *row), dtype)
+        return full
 
     def _rows_on_device(self, rows: slice | torch.Tensor) -> slice | torch.Tensor:
         """Row indexes on the compute device, sent once per step (the head's last rows are
