@@ -37,8 +37,8 @@ PATTERNS = [
     ("stream", "A streamed from 768 KB (L2), B from L1", ["stream", "768"]),
     ("store 24", "stream, C stored every 24 steps", ["store", "768", "24"]),
     ("store 8", "stream, C stored every 8 steps", ["store", "768", "8"]),
-    ("kernel K768", "expert_amx.c's loop: 512 rows, K 768, blocks of 8", ["kernel", "32", "24", "8", "64"]),
-    ("kernel K1152", "expert_amx.c's loop: 512 rows, K 1,152, blocks of 8", ["kernel", "32", "36", "8", "64"]),
+    ("kernel K768", "expert_amx.c's loop: 512 rows, K 768, blocks of 8", ["kernel", "32", "24", "8", "32"]),
+    ("kernel K1152", "expert_amx.c's loop: 512 rows, K 1,152, blocks of 8", ["kernel", "32", "36", "8", "32"]),
 ]
 
 
