@@ -46,10 +46,10 @@
 #include "bf16.h"
 #include "cpu.h"
 #include "py_args.h"
+#include "expert_slots.h"
 #include "row_items.h"
 
 #define MAX_ROWS 512   /* rows per call (the caller chunks); 32 tiles of 16 */
-#define MAX_EXPERTS 4096  /* experts of a layer the layer-wide call takes (its counts on the stack) */
 
 typedef struct {
     const uint16_t *x; int64_t ldx;          /* [T, H] */
@@ -329,7 +329,7 @@ int moecc_expert_amx(const uint16_t *x, int64_t ldx, const int64_t *tok, const f
 
 /* Every routed expert of a layer in one call: the T*k slots (top_i/top_w [T, k], int64 / fp32)
  * sorted by expert into tok/tw ([T*k] scratch; a counting sort, slots in order within an expert,
- * as a stable argsort orders them), then each expert in order, its rows in runs of MAX_ROWS, as
+ * as a stable argsort orders them: expert_slots.h), then each expert in order, its rows in runs of MAX_ROWS, as
  * moecc_expert_amx runs them: the same bits as one call per run. gu/dn [E]: each expert's packed
  * weights (0 for one no slot names); `a`/`h` scratch for min(most rows of an expert, MAX_ROWS)
  * rows rounded up to 16. Returns 0, 1 (arguments it does not take, nothing written: an index
@@ -341,19 +341,9 @@ int moecc_expert_amx_layer(const uint16_t *x, int64_t ldx, int64_t T, int64_t k,
 #ifdef HAVE_AMX
     if (!amx_ready()) return 2;
     if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || !takes(H, I, nb_gu, nb_dn, ldx, ldo)) return 1;
-    int64_t at[E + 1];  /* at[e]: expert e's first sorted slot (then its next free one) */
-    memset(at, 0, sizeof(at));
-    for (int64_t s = 0; s < T * k; s++) {
-        const int64_t e = top_i[s];
-        if (e < 0 || e >= E || !gu[e] || !dn[e]) return 1;
-        at[e + 1]++;
-    }
-    for (int64_t e = 0; e < E; e++) at[e + 1] += at[e];
-    for (int64_t s = 0; s < T * k; s++) {
-        const int64_t p = at[top_i[s]]++;
-        tok[p] = s / k, tw[p] = top_w[s];
-    }
-    for (int64_t e = 0, lo = 0; e < E; lo = at[e++])  /* at[e] is now expert e's end */
+    int64_t at[E];  /* at[e]: expert e's end among the sorted slots */
+    if (sort_slots(T, k, top_i, top_w, E, gu, dn, at, tok, tw)) return 1;
+    for (int64_t e = 0, lo = 0; e < E; lo = at[e++])
         for (int64_t r = lo; r < at[e]; r += MAX_ROWS) {
             const int64_t n = at[e] - r < MAX_ROWS ? at[e] - r : MAX_ROWS;
             Job j = {x, ldx, tok + r, tw + r, n, (n + 15) / 16 * 16, H, I, (const uint16_t *)(intptr_t)gu[e], nb_gu,

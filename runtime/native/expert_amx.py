@@ -19,7 +19,6 @@ threads (then the bits of a sum may differ in the last place).
 
 from __future__ import annotations
 
-import ctypes
 from functools import lru_cache
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 
 from moecc_runtime.native import amx_extension
 from moecc_runtime.native.expert_rows import _silu_table
+from moecc_runtime.native.packed_layout import Offsets, matches, raw as _raw
 
 MAX_ROWS = 512  #: rows per native call (expert_amx.c's MAX_ROWS); more run as several calls
 _NB = (32, 64)  #: output blocks of oneDNN's AB16b{NB}a2b bf16 layouts the kernel reads
@@ -41,49 +41,20 @@ def _module() -> Any:
     return amx_extension("_expert_amx", "moecc_expert_amx", "MOECC_EXPERT_AMX")
 
 
-def _raw(packed: torch.Tensor) -> int:
-    """The address of an opaque oneDNN tensor's bytes."""
-    return int(torch.ops.mkldnn.data_ptr(packed))
-
-
 @lru_cache(maxsize=None)
 def layout(out_features: int, in_features: int, rows_hint: int) -> int | None:
     """NB of the AB16b{NB}a2b layout oneDNN packs a bf16 [out, in] weight in (`rows_hint` as
-    PackedLinear passes it), found by packing a probe weight: zero but for up to 256 marked
-    elements (every output residue mod 128 and every input residue mod 32 among them, the rest
-    drawn at random), each an integer of its own, and finding each where the layout puts it
-    (and nothing else anywhere). None: another layout (the kernel does not read it)."""
-    from moecc_runtime.memory.packed_weights import PackedLinear  # memory imports native
-
+    PackedLinear passes it), found on a probe weight (packed_layout.matches). None: another
+    layout (the kernel does not read it)."""
     n_out, k_in = out_features, in_features
     if k_in % 32 or n_out % 16:
         return None
-    g = torch.Generator().manual_seed(0)
-    n = torch.cat([torch.arange(128) % n_out, torch.randint(0, n_out, (128,), generator=g)])  # [256]
-    k = torch.cat([torch.arange(128) % k_in, torch.randint(0, k_in, (128,), generator=g)])
-    marked = sorted(set(zip(n.tolist(), k.tolist())))  # distinct (output, input) pairs
-    n, k = torch.tensor([p[0] for p in marked]), torch.tensor([p[1] for p in marked])  # [m]
-    value = torch.arange(1, len(marked) + 1, dtype=torch.float32)  # [m]: integers <= 256, exact in bf16
-    probe = torch.zeros(n_out, k_in)
-    probe[n, k] = value
-    packed = PackedLinear(probe.to(torch.bfloat16), rows_hint).packed
-    if torch.ops.mkldnn._nbytes(packed) != n_out * k_in * 2:
-        return None
-    got = torch.frombuffer(_bytes(packed), dtype=torch.bfloat16).float()  # [N*K] as oneDNN laid them out
-    if int(torch.count_nonzero(got)) != len(marked):
-        return None
-    for nb in _NB:
-        if n_out % nb == 0:
-            at = ((n // nb) * (k_in // 16) + k // 16) * 16 * nb + ((k % 16) // 2) * nb * 2 + (n % nb) * 2 + k % 2  # [m]
-            if torch.equal(got[at], value):
-                return nb
-    return None
 
+    def at(nb: int) -> Offsets:  # blocks of nb outputs by 16 inputs, inside [8 input pairs][nb outputs][2]
+        return lambda n, k: (((n // nb) * (k_in // 16) + k // 16) * 16 * nb + ((k % 16) // 2) * nb * 2
+                             + (n % nb) * 2 + k % 2)
 
-def _bytes(packed: torch.Tensor) -> bytearray:
-    """A copy of an opaque oneDNN tensor's bytes."""
-    nbytes = int(torch.ops.mkldnn._nbytes(packed))
-    return bytearray((ctypes.c_char * nbytes).from_address(_raw(packed)))
+    return matches(n_out, k_in, rows_hint, torch.bfloat16, {nb: at(nb) for nb in _NB if n_out % nb == 0})
 
 
 def expert(x: torch.Tensor, tok: torch.Tensor, tw: torch.Tensor, gate_up: Any, down: Any,

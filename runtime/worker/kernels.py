@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moecc_runtime.contract.activations import ACTIVATIONS
-from moecc_runtime.native import expert_amx, expert_rows
+from moecc_runtime.native import expert_amx, expert_fp32, expert_rows
 from moecc_runtime.native import rope as native_rope
 from moecc_runtime.native import rmsnorm as native_rmsnorm
 from moecc_runtime.syncs import to_list
@@ -428,6 +428,11 @@ def expert_mlp(a: dict) -> str | ExpertMLP:
     return str(a["act"])
 
 
+#: The native call that runs a whole layer's silu experts, by compute dtype (each module's
+#: `takes(weights)` and `layer(x, top_w, top_i, counts, weights, out)`)
+_LAYER_KERNELS = {torch.bfloat16: expert_amx, torch.float32: expert_fp32}
+
+
 def experts(
     x: torch.Tensor,
     top_w: torch.Tensor,
@@ -446,7 +451,8 @@ def experts(
     are packed for oneDNN runs as one native call per 512 rows on a CPU with AMX
     (native/expert_amx.py: the gather, both GEMMs, silu * up and the weighted add, fused), and
     the whole layer as one such call where `together` says every fetched expert's weights stay
-    valid at once (weights read in place): the same bits.
+    valid at once (weights read in place): the same bits. In fp32 on a CPU with AVX-512 such a
+    layer runs as one call of native/expert_fp32.py (fp32 sums in input order, its own exp).
     x: [T, H]  top_w/top_i: [T, k] -> ([T, H], experts run)."""
     fused = isinstance(mlp, str) and ACTIVATIONS.get(mlp) is F.silu  # one native call where it applies (expert_amx.py)
     if isinstance(mlp, str):
@@ -463,11 +469,12 @@ def experts(
     used = [e for e, count in enumerate(counts) if count]
     source = weights = iter(fetch(used))
     try:
-        if fused and together and used:
+        kernel = _LAYER_KERNELS.get(x.dtype)
+        if fused and together and used and kernel is not None:
             held = {used[0]: next(source)}
-            if expert_amx.takes(held[used[0]]):  # then every used expert's at once (in place: nothing copied)
+            if kernel.takes(held[used[0]]):  # then every used expert's at once (in place: nothing copied)
                 held.update(zip(used[1:], source))
-                if expert_amx.layer(x, top_w, top_i, counts, held, out):
+                if kernel.layer(x, top_w, top_i, counts, held, out):
                     return out, len(used)
             weights = itertools.chain(held.values(), source)
         _run_experts(x, top_w, top_i, counts, used, weights, mlp, chunk, fused, out)

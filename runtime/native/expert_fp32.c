@@ -1,0 +1,292 @@
+/* A layer's routed experts' gated MLPs in fp32 on AVX-512 FMA, in one call:
+ *
+ *   h[r, j]         = silu(x[tok[r]] . G[j]) * (x[tok[r]] . U[j])     j < I   (gate and up, one pass)
+ *   out[tok[r], c] += (h[r] . D[c]) * tw[r]                             c < H   (down, added in place)
+ *
+ * Legend: H hidden, I intermediate, r < n the rows routed to one expert (tok: their distinct
+ * tokens, tw: their routing weights), G/U the gate and up halves of the stacked [2I, H] weight,
+ * D the [H, I] down weight; every value fp32.
+ *
+ * The weights are read as oneDNN packed them for its own fp32 GEMM on an AVX-512 CPU
+ * (packed_weights.PackedLinear: blocks of 64 outputs, inside a block [K inputs][64 outputs]),
+ * so no second copy exists; expert_fp32.py checks that layout on a probe weight first. The rows
+ * are read from x in place through tok (no gather pass).
+ *
+ * Arithmetic: each output an fp32 sum over its inputs in input order by fused multiply-adds (the
+ * order oneDNN's kernel keeps where it does not split the inputs); silu(g) = g / (1 + exp(-g))
+ * with exp to ~1 ulp (torch's exp is Sleef's: the two may differ in the last place); the down
+ * row times tw, rounded, then added to out, rounded (kernels._run_experts' mul_ and index_add_,
+ * in expert order). Built without contracting a multiply and an add outside the products.
+ *
+ * Work: experts one after another (slots sorted by expert_slots.h), each expert's rows in parts
+ * of MAX_ROWS, each part two passes on torch's OpenMP team (cpu.h): gate/up by units of 32
+ * outputs of each half, down by units of 64 outputs, each thread a contiguous run of units. A
+ * unit runs its rows MR at a time with MR x 4 accumulators in registers over all its inputs (the
+ * unit's weights stream from L2 for each group of rows after the first), and asks for the next
+ * unit's weights a few lines at each input step. Linux/x86-64 with GCC 7 / Clang 6 or newer (the
+ * AVX-512 target attribute); elsewhere, or on a CPU without AVX-512, the call returns 2 and the
+ * caller runs torch's path.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <Python.h>
+
+#include "cpu.h"
+#include "expert_slots.h"
+#include "py_args.h"
+
+#define MAX_ROWS 512  /* rows of an expert per part (h's scratch holds one part) */
+#define MR 6          /* rows a register tile: 6 x 4 accumulators, 4 weight vectors, a broadcast */
+#define NB 64         /* outputs of a packed weight block */
+
+typedef struct {
+    const float *x; int64_t ldx;          /* [T, H] */
+    const int64_t *tok; const float *tw;  /* [n] each */
+    int64_t n, H, I;
+    const float *gu, *dn;                 /* [2I, H] and [H, I] packed: [N/64][K][64] */
+    float *h;                             /* [n, I] */
+    float *out; int64_t ldo;              /* [T, H] */
+    int nth; int64_t next;                /* threads; the next thread index to hand out */
+} Job;
+
+#if defined(HAVE_AVX512_CLONE) && defined(__linux__)
+#define HAVE_FP32_KERNEL 1
+#include <immintrin.h>
+#define FP32_TARGET __attribute__((target(AVX512_TARGET)))
+#define FP32_INLINE FP32_TARGET __attribute__((always_inline)) static inline
+
+/* The next run [*lo, *hi) of `items` split into j->nth contiguous runs, taken by whichever thread
+ * asks first; 0 when all are taken. */
+static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
+    const int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+    if (t >= j->nth) return 0;
+    *lo = items * t / j->nth;
+    *hi = items * (t + 1) / j->nth;
+    return 1;
+}
+
+/* Paced prefetch of the next unit's weights (up to two runs of `per_k` lines at each input step
+ * k, `stride` bytes apart from one step to the next), `per` lines asked for at each call. */
+typedef struct { const char *p[2]; int64_t lines, per_k, stride, done, per; } Pf;
+
+FP32_INLINE void pf_step(Pf *f) {
+    for (int64_t q = 0; q < f->per && f->done < f->lines; q++, f->done++) {
+        const int64_t step = f->done / (2 * f->per_k), at = f->done % (2 * f->per_k);
+        _mm_prefetch(f->p[at / f->per_k] + step * f->stride + (at % f->per_k) * 64, _MM_HINT_T1);
+    }
+}
+
+/* The prefetch of two runs a and b (nothing where a is NULL) of `per_k` lines at each of K input
+ * steps, spread over `calls` calls of pf_step. */
+static Pf pf_runs(const float *a, const float *b, int64_t per_k, int64_t K, int64_t calls) {
+    Pf f = {{(const char *)a, (const char *)b}, a ? K * per_k * 2 : 0, per_k, NB * 4, 0, 0};
+    f.per = (f.lines + calls - 1) / (calls > 0 ? calls : 1);
+    return f;
+}
+
+/* exp(x) on 16 lanes to ~1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf polynomial,
+ * times 2^n by vscalefps (x clamped to [-104, 89] first, NaN kept: inf past fp32's range, 0 below). */
+FP32_INLINE __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));  /* a NaN x stays */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), 0);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* silu(g) * u on 16 lanes: g / (1 + exp(-g)), rounded, times u, rounded. */
+FP32_INLINE __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+/* Rows r0.. r0+mr of a gate/up unit: h[r, c0 .. c0+32) from the gate run G and the up run U
+ * (each 32 outputs of a packed block, rows NB floats apart), over all H inputs. */
+FP32_INLINE void gu_rows(const Job *j, int64_t r0, const int mr, const float *G, const float *U, int64_t c0, Pf *pf) {
+    const float *a[MR];
+    __m512 acc[MR][4];  /* [row][gate 0-15, gate 16-31, up 0-15, up 16-31] */
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) {
+        a[r] = j->x + j->tok[r0 + r] * j->ldx;
+        acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < j->H; k++) {
+        pf_step(pf);
+        const __m512 g0 = _mm512_loadu_ps(G + k * NB), g1 = _mm512_loadu_ps(G + k * NB + 16);
+        const __m512 u0 = _mm512_loadu_ps(U + k * NB), u1 = _mm512_loadu_ps(U + k * NB + 16);
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; r++) {
+            const __m512 v = _mm512_set1_ps(a[r][k]);
+            acc[r][0] = _mm512_fmadd_ps(v, g0, acc[r][0]), acc[r][1] = _mm512_fmadd_ps(v, g1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(v, u0, acc[r][2]), acc[r][3] = _mm512_fmadd_ps(v, u1, acc[r][3]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) {
+        float *hr = j->h + (r0 + r) * j->I + c0;
+        _mm512_storeu_ps(hr, silu_mul16(acc[r][0], acc[r][2]));
+        _mm512_storeu_ps(hr + 16, silu_mul16(acc[r][1], acc[r][3]));
+    }
+}
+
+/* Rows r0.. r0+mr of a down unit: out[tok[r], c0 .. c0+64) += (h[r] . D) * tw[r] from the
+ * packed block D (rows NB floats apart), over all I inputs. */
+FP32_INLINE void dn_rows(const Job *j, int64_t r0, const int mr, const float *D, int64_t c0, Pf *pf) {
+    const float *a[MR];
+    __m512 acc[MR][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) {
+        a[r] = j->h + (r0 + r) * j->I;
+        acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < j->I; k++) {
+        pf_step(pf);
+        const __m512 d0 = _mm512_loadu_ps(D + k * NB), d1 = _mm512_loadu_ps(D + k * NB + 16);
+        const __m512 d2 = _mm512_loadu_ps(D + k * NB + 32), d3 = _mm512_loadu_ps(D + k * NB + 48);
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; r++) {
+            const __m512 v = _mm512_set1_ps(a[r][k]);
+            acc[r][0] = _mm512_fmadd_ps(v, d0, acc[r][0]), acc[r][1] = _mm512_fmadd_ps(v, d1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(v, d2, acc[r][2]), acc[r][3] = _mm512_fmadd_ps(v, d3, acc[r][3]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) {
+        const __m512 w = _mm512_set1_ps(j->tw[r0 + r]);
+        float *o = j->out + j->tok[r0 + r] * j->ldo + c0;
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++)
+            _mm512_storeu_ps(o + 16 * v, _mm512_add_ps(_mm512_loadu_ps(o + 16 * v), _mm512_mul_ps(acc[r][v], w)));
+    }
+}
+
+/* The unit's rows MR at a time, the last group's `n % MR` by its own (constant) count. */
+#define ROW_GROUPS(CALL)                                                              \
+    for (int64_t r0 = 0; r0 < j->n; r0 += MR) {                                       \
+        switch (j->n - r0 < MR ? (int)(j->n - r0) : MR) {                             \
+            case 1: CALL(1); break;                                                   \
+            case 2: CALL(2); break;                                                   \
+            case 3: CALL(3); break;                                                   \
+            case 4: CALL(4); break;                                                   \
+            case 5: CALL(5); break;                                                   \
+            default: CALL(6); break;                                                  \
+        }                                                                             \
+    }
+
+/* Gate and up by units of 32 outputs of each half: the gate run is outputs [c0, c0+32) of the
+ * stacked weight, the up run [I+c0, I+c0+32), each half of a packed block's rows. */
+FP32_TARGET static void *gate_up(void *arg) {
+    Job *j = (Job *)arg;
+    const int64_t H = j->H, I = j->I, groups = (j->n + MR - 1) / MR;
+    int64_t u0, u1;
+    while (next_run(j, I / 32, &u0, &u1))
+        for (int64_t u = u0; u < u1; u++) {
+#define RUN_AT(c) (j->gu + ((c) / NB) * H * NB + (c) % NB)
+            const int64_t c0 = 32 * u;
+            const float *G = RUN_AT(c0), *U = RUN_AT(I + c0);
+            Pf pf = u + 1 < u1 ? pf_runs(RUN_AT(c0 + 32), RUN_AT(I + c0 + 32), 2, H, groups * H)
+                               : pf_runs(NULL, NULL, 2, H, groups * H);
+#undef RUN_AT
+#define GU(m) gu_rows(j, r0, m, G, U, c0, &pf)
+            ROW_GROUPS(GU)
+#undef GU
+        }
+    return NULL;
+}
+
+/* Down by units of 64 outputs (one packed block). */
+FP32_TARGET static void *down(void *arg) {
+    Job *j = (Job *)arg;
+    const int64_t I = j->I, groups = (j->n + MR - 1) / MR;
+    int64_t u0, u1;
+    while (next_run(j, j->H / NB, &u0, &u1))
+        for (int64_t u = u0; u < u1; u++) {
+            const float *D = j->dn + u * I * NB;
+            const float *next = u + 1 < u1 ? D + I * NB : NULL;  /* its rows of 4 lines: two runs of 2 */
+            Pf pf = pf_runs(next, next ? next + 32 : NULL, 2, I, groups * I);
+#define DN(m) dn_rows(j, r0, m, D, NB * u, &pf)
+            ROW_GROUPS(DN)
+#undef DN
+        }
+    return NULL;
+}
+#endif
+
+/* 1: this build and CPU run the kernel; 0: they do not. */
+int moecc_expert_fp32_ready(void) {
+#ifdef HAVE_FP32_KERNEL
+    return cpu_isa() >= ISA_AVX512;
+#else
+    return 0;
+#endif
+}
+
+/* Every routed expert of a layer in one call: the T*k slots sorted by expert into tok/tw ([T*k]
+ * scratch), then each expert in order, its rows in parts of MAX_ROWS, each part its two passes.
+ * gu/dn [E]: each expert's packed weights (0 for one no slot names); h scratch for
+ * min(most rows of an expert, MAX_ROWS) rows. Returns 0, 1 (arguments it does not take, nothing
+ * written: an index outside [0, E), a named expert without weights, sizes) or 2 (not here). */
+int moecc_expert_fp32_layer(const float *x, int64_t ldx, int64_t T, int64_t k, const int64_t *top_i,
+                            const float *top_w, int64_t E, const int64_t *gu, const int64_t *dn, int64_t H, int64_t I,
+                            int64_t *tok, float *tw, float *h, float *out, int64_t ldo, int nthreads) {
+#ifdef HAVE_FP32_KERNEL
+    if (!moecc_expert_fp32_ready()) return 2;
+    if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || H % NB || I % 32 || ldx < H || ldo < H) return 1;
+    int64_t at[E];
+    if (sort_slots(T, k, top_i, top_w, E, gu, dn, at, tok, tw)) return 1;
+    const int nth = nthreads < 1 ? 1 : nthreads;
+    for (int64_t e = 0, lo = 0; e < E; lo = at[e++])
+        for (int64_t r = lo; r < at[e]; r += MAX_ROWS) {
+            const int64_t n = at[e] - r < MAX_ROWS ? at[e] - r : MAX_ROWS;
+            Job j = {x, ldx, tok + r, tw + r, n, H, I, (const float *)(intptr_t)gu[e], (const float *)(intptr_t)dn[e],
+                     h, out, ldo, nth, 0};
+            run_threads(gate_up, &j, nth, I / 32);
+            j.next = 0;
+            run_threads(down, &j, nth, H / NB);
+        }
+    return 0;
+#else
+    (void)x, (void)ldx, (void)T, (void)k, (void)top_i, (void)top_w, (void)E, (void)gu, (void)dn, (void)H, (void)I;
+    (void)tok, (void)tw, (void)h, (void)out, (void)ldo, (void)nthreads;
+    return 2;
+#endif
+}
+
+/* Python entries (METH_FASTCALL, pointers as ints, the work without the GIL: py_args.h). */
+static PyObject *py_layer(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    long long v[17];
+    if (int_args(args, n, 17, "layer", 0, v)) return NULL;
+    int rc;
+#define P(i, type) ((type)(intptr_t)v[i])
+    Py_BEGIN_ALLOW_THREADS
+    rc = moecc_expert_fp32_layer(P(0, const float *), v[1], v[2], v[3], P(4, const int64_t *), P(5, const float *),
+                                 v[6], P(7, const int64_t *), P(8, const int64_t *), v[9], v[10], P(11, int64_t *),
+                                 P(12, float *), P(13, float *), P(14, float *), v[15], (int)v[16]);
+    Py_END_ALLOW_THREADS
+#undef P
+    return PyLong_FromLong(rc);
+}
+
+PY_READY(moecc_expert_fp32_ready)
+
+static PyMethodDef methods[] = {
+    {"layer", (PyCFunction)(void (*)(void))py_layer, METH_FASTCALL,
+     "layer(x, ldx, T, k, top_i, top_w, E, gu[E], down[E], H, I, tok, tw, h, out, ldo, nthreads) -> 0, 1 or 2"},
+    PY_READY_METHOD,
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_expert_fp32",
+                                    "moecc's routed experts of a layer in fp32 on AVX-512 over oneDNN-packed weights.",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__expert_fp32(void) { return PyModule_Create(&module); }
