@@ -67,22 +67,26 @@ static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
     return 1;
 }
 
-/* Paced prefetch of the next unit's weights (up to two runs of `per_k` lines at each input step
- * k, `stride` bytes apart from one step to the next), `per` lines asked for at each call. */
-typedef struct { const char *p[2]; int64_t lines, per_k, stride, done, per; } Pf;
+/* Paced prefetch of the next unit's weights: two runs of `per_k` lines at each input step
+ * (`stride` bytes apart from one step to the next), in the order run 0's lines, run 1's, the
+ * next step's; `per` lines asked for at each call, `left` in all. */
+typedef struct { const char *p[2]; int64_t per_k, stride, per, left, off; int run, line; } Pf;
 
 FP32_INLINE void pf_step(Pf *f) {
-    for (int64_t q = 0; q < f->per && f->done < f->lines; q++, f->done++) {
-        const int64_t step = f->done / (2 * f->per_k), at = f->done % (2 * f->per_k);
-        _mm_prefetch(f->p[at / f->per_k] + step * f->stride + (at % f->per_k) * 64, _MM_HINT_T1);
+    for (int64_t q = 0; q < f->per && f->left > 0; q++, f->left--) {
+        _mm_prefetch(f->p[f->run] + f->off + f->line * 64, _MM_HINT_T1);
+        if (++f->line == f->per_k) {
+            f->line = 0, f->run ^= 1;
+            if (!f->run) f->off += f->stride;
+        }
     }
 }
 
 /* The prefetch of two runs a and b (nothing where a is NULL) of `per_k` lines at each of K input
  * steps, spread over `calls` calls of pf_step. */
-static Pf pf_runs(const float *a, const float *b, int64_t per_k, int64_t K, int64_t calls) {
-    Pf f = {{(const char *)a, (const char *)b}, a ? K * per_k * 2 : 0, per_k, NB * 4, 0, 0};
-    f.per = (f.lines + calls - 1) / (calls > 0 ? calls : 1);
+static Pf pf_runs(const float *a, const float *b, int per_k, int64_t K, int64_t calls) {
+    Pf f = {{(const char *)a, (const char *)b}, per_k, NB * 4, 0, a ? K * per_k * 2 : 0, 0, 0, 0};
+    f.per = (f.left + calls - 1) / (calls > 0 ? calls : 1);
     return f;
 }
 
