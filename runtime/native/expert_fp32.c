@@ -19,11 +19,13 @@
  * in expert order). Built without contracting a multiply and an add outside the products.
  *
  * Work: experts one after another (slots sorted by expert_slots.h), each expert's rows in parts
- * of MAX_ROWS, each part two passes on torch's OpenMP team (cpu.h): gate/up by units of 32
- * outputs of each half, down by units of 64 outputs, each thread a contiguous run of units. A
- * unit runs its rows MR at a time with MR x 4 accumulators in registers over all its inputs (the
- * unit's weights stream from L2 for each group of rows after the first), and asks for the next
- * unit's weights a few lines at each input step. Linux/x86-64 with GCC 7 / Clang 6 or newer (the
+ * of MAX_ROWS, each part two passes on torch's OpenMP team (cpu.h): gate/up by units of 64
+ * outputs of each half (the gate's block, its sums kept in h, then the up's block, h = silu(gate)
+ * * up), down by units of 64 outputs; each thread a contiguous run of units. A block runs its rows
+ * MR at a time with MR x 4 accumulators in registers over all its inputs (the block's rows
+ * stream whole from L2 for each group of rows after the first: 1.05-1.08x reading two half
+ * blocks, gate's and up's, side by side), and asks for the next block's weights a few lines at
+ * each input step. Linux/x86-64 with GCC 7 / Clang 6 or newer (the
  * AVX-512 target attribute); elsewhere, or on a CPU without AVX-512, the call returns 2 and the
  * caller runs torch's path.
  */
@@ -67,27 +69,22 @@ static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
     return 1;
 }
 
-/* Paced prefetch of the next unit's weights: two runs of `per_k` lines at each input step
- * (`stride` bytes apart from one step to the next), in the order run 0's lines, run 1's, the
- * next step's; `per` lines asked for at each call, `left` in all. */
-typedef struct { const char *p[2]; int64_t per_k, stride, per, left, off; int run, line; } Pf;
+/* The next block's weights, asked for while a block runs: two runs (p[0], p[1]) of 2 lines at
+ * each of its input steps, the steps 256 bytes apart, as a list of `lines` lines in the order
+ * run 0's two, run 1's two, the next step's; each group of rows asks for its share of the list,
+ * `per` lines at each of its input steps. */
+typedef struct { const char *p[2]; int64_t lines, share; int per; } Pf;
 
-FP32_INLINE void pf_step(Pf *f) {
-    for (int64_t q = 0; q < f->per && f->left > 0; q++, f->left--) {
-        _mm_prefetch(f->p[f->run] + f->off + f->line * 64, _MM_HINT_T1);
-        if (++f->line == f->per_k) {
-            f->line = 0, f->run ^= 1;
-            if (!f->run) f->off += f->stride;
-        }
-    }
+static Pf pf_runs(const float *a, const float *b, int64_t K, int64_t groups) {
+    Pf f = {{(const char *)a, (const char *)b}, a ? 4 * K : 0, 0, 0};
+    f.share = (f.lines + groups - 1) / groups;
+    f.per = (int)((f.share + K - 1) / K);
+    return f;
 }
 
-/* The prefetch of two runs a and b (nothing where a is NULL) of `per_k` lines at each of K input
- * steps, spread over `calls` calls of pf_step. */
-static Pf pf_runs(const float *a, const float *b, int per_k, int64_t K, int64_t calls) {
-    Pf f = {{(const char *)a, (const char *)b}, per_k, NB * 4, 0, a ? K * per_k * 2 : 0, 0, 0, 0};
-    f.per = (f.left + calls - 1) / (calls > 0 ? calls : 1);
-    return f;
+/* Line `li` of the list, asked for into L2. */
+FP32_INLINE void pf_line(const Pf *f, int64_t li) {
+    _mm_prefetch(f->p[(li >> 1) & 1] + (li >> 2) * (NB * 4) + (li & 1) * 64, _MM_HINT_T1);
 }
 
 /* exp(x) on 16 lanes to ~1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf polynomial,
@@ -113,56 +110,52 @@ FP32_INLINE __m512 silu_mul16(__m512 g, __m512 u) {
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
-/* Rows r0.. r0+mr of a gate/up unit: h[r, c0 .. c0+32) from the gate run G and the up run U
- * (each 32 outputs of a packed block, rows NB floats apart), over all H inputs. */
-FP32_INLINE void gu_rows(const Job *j, int64_t r0, const int mr, const float *G, const float *U, int64_t c0, Pf *pf) {
-    const float *a[MR];
-    __m512 acc[MR][4];  /* [row][gate 0-15, gate 16-31, up 0-15, up 16-31] */
+/* acc[r] = a[r] . W over K inputs for rows r < mr, 64 outputs: W a packed block (its rows NB
+ * floats apart, each 4 lines), its four vectors loaded once an input for all rows; this group's
+ * share of the next block's lines asked for on the way (Pf). */
+FP32_INLINE void block_rows(const float *const *a, const int mr, int64_t K, const float *W, const Pf *pf,
+                            int64_t group, __m512 acc[MR][4]) {
+    int64_t li = group * pf->share;
+    const int64_t end = li + pf->share < pf->lines ? li + pf->share : pf->lines;
 #pragma GCC unroll 6
-    for (int r = 0; r < mr; r++) {
-        a[r] = j->x + j->tok[r0 + r] * j->ldx;
-        acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
-    }
-    for (int64_t k = 0; k < j->H; k++) {
-        pf_step(pf);
-        const __m512 g0 = _mm512_loadu_ps(G + k * NB), g1 = _mm512_loadu_ps(G + k * NB + 16);
-        const __m512 u0 = _mm512_loadu_ps(U + k * NB), u1 = _mm512_loadu_ps(U + k * NB + 16);
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        for (int q = 0; q < pf->per && li < end; q++) pf_line(pf, li++);
+        const __m512 w0 = _mm512_loadu_ps(W + k * NB), w1 = _mm512_loadu_ps(W + k * NB + 16);
+        const __m512 w2 = _mm512_loadu_ps(W + k * NB + 32), w3 = _mm512_loadu_ps(W + k * NB + 48);
 #pragma GCC unroll 6
         for (int r = 0; r < mr; r++) {
             const __m512 v = _mm512_set1_ps(a[r][k]);
-            acc[r][0] = _mm512_fmadd_ps(v, g0, acc[r][0]), acc[r][1] = _mm512_fmadd_ps(v, g1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(v, u0, acc[r][2]), acc[r][3] = _mm512_fmadd_ps(v, u1, acc[r][3]);
+            acc[r][0] = _mm512_fmadd_ps(v, w0, acc[r][0]), acc[r][1] = _mm512_fmadd_ps(v, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(v, w2, acc[r][2]), acc[r][3] = _mm512_fmadd_ps(v, w3, acc[r][3]);
         }
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < mr; r++) {
-        float *hr = j->h + (r0 + r) * j->I + c0;
-        _mm512_storeu_ps(hr, silu_mul16(acc[r][0], acc[r][2]));
-        _mm512_storeu_ps(hr + 16, silu_mul16(acc[r][1], acc[r][3]));
     }
 }
 
-/* Rows r0.. r0+mr of a down unit: out[tok[r], c0 .. c0+64) += (h[r] . D) * tw[r] from the
- * packed block D (rows NB floats apart), over all I inputs. */
-FP32_INLINE void dn_rows(const Job *j, int64_t r0, const int mr, const float *D, int64_t c0, Pf *pf) {
+/* Rows r0.. r0+mr of a gate or up block (outputs c0 .. c0+64 of its half): the gate's sums
+ * stored into h, then the up's combined with them, h = silu(gate) * up. */
+FP32_INLINE void gu_rows(const Job *j, int64_t r0, const int mr, const float *W, int64_t c0, int up, const Pf *pf) {
     const float *a[MR];
     __m512 acc[MR][4];
 #pragma GCC unroll 6
-    for (int r = 0; r < mr; r++) {
-        a[r] = j->h + (r0 + r) * j->I;
-        acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
-    }
-    for (int64_t k = 0; k < j->I; k++) {
-        pf_step(pf);
-        const __m512 d0 = _mm512_loadu_ps(D + k * NB), d1 = _mm512_loadu_ps(D + k * NB + 16);
-        const __m512 d2 = _mm512_loadu_ps(D + k * NB + 32), d3 = _mm512_loadu_ps(D + k * NB + 48);
+    for (int r = 0; r < mr; r++) a[r] = j->x + j->tok[r0 + r] * j->ldx;
+    block_rows(a, mr, j->H, W, pf, r0 / MR, acc);
 #pragma GCC unroll 6
-        for (int r = 0; r < mr; r++) {
-            const __m512 v = _mm512_set1_ps(a[r][k]);
-            acc[r][0] = _mm512_fmadd_ps(v, d0, acc[r][0]), acc[r][1] = _mm512_fmadd_ps(v, d1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(v, d2, acc[r][2]), acc[r][3] = _mm512_fmadd_ps(v, d3, acc[r][3]);
-        }
+    for (int r = 0; r < mr; r++) {
+        float *hr = j->h + (r0 + r) * j->I + c0;
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++)
+            _mm512_storeu_ps(hr + 16 * v, up ? silu_mul16(_mm512_loadu_ps(hr + 16 * v), acc[r][v]) : acc[r][v]);
     }
+}
+
+/* Rows r0.. r0+mr of a down block: out[tok[r], c0 .. c0+64) += (h[r] . D) * tw[r]. */
+FP32_INLINE void dn_rows(const Job *j, int64_t r0, const int mr, const float *D, int64_t c0, const Pf *pf) {
+    const float *a[MR];
+    __m512 acc[MR][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) a[r] = j->h + (r0 + r) * j->I;
+    block_rows(a, mr, j->I, D, pf, r0 / MR, acc);
 #pragma GCC unroll 6
     for (int r = 0; r < mr; r++) {
         const __m512 w = _mm512_set1_ps(j->tw[r0 + r]);
@@ -186,24 +179,27 @@ FP32_INLINE void dn_rows(const Job *j, int64_t r0, const int mr, const float *D,
         }                                                                             \
     }
 
-/* Gate and up by units of 32 outputs of each half: the gate run is outputs [c0, c0+32) of the
- * stacked weight, the up run [I+c0, I+c0+32), each half of a packed block's rows. */
+/* The prefetch of block `next` (NULL: none) while a block runs over K inputs in `groups`. */
+static Pf pf_block(const float *next, int64_t K, int64_t groups) {
+    return pf_runs(next, next ? next + 32 : NULL, K, groups);  /* a block's rows are 4 lines: two runs of 2 */
+}
+
+/* Gate and up by units of 64 outputs of each half: the gate block u (outputs 64u ..), then the
+ * up block I/64 + u (outputs I + 64u ..), each asking for the next one's lines. */
 FP32_TARGET static void *gate_up(void *arg) {
     Job *j = (Job *)arg;
-    const int64_t H = j->H, I = j->I, groups = (j->n + MR - 1) / MR;
+    const int64_t H = j->H, half = j->I / NB, groups = (j->n + MR - 1) / MR;
     int64_t u0, u1;
-    while (next_run(j, I / 32, &u0, &u1))
-        for (int64_t u = u0; u < u1; u++) {
-#define RUN_AT(c) (j->gu + ((c) / NB) * H * NB + (c) % NB)
-            const int64_t c0 = 32 * u;
-            const float *G = RUN_AT(c0), *U = RUN_AT(I + c0);
-            Pf pf = u + 1 < u1 ? pf_runs(RUN_AT(c0 + 32), RUN_AT(I + c0 + 32), 2, H, groups * H)
-                               : pf_runs(NULL, NULL, 2, H, groups * H);
-#undef RUN_AT
-#define GU(m) gu_rows(j, r0, m, G, U, c0, &pf)
-            ROW_GROUPS(GU)
+    while (next_run(j, half, &u0, &u1))
+        for (int64_t u = u0; u < u1; u++)
+            for (int up = 0; up < 2; up++) {
+                const float *W = j->gu + (up * half + u) * H * NB;
+                const float *next = !up ? W + half * H * NB : u + 1 < u1 ? j->gu + (u + 1) * H * NB : NULL;
+                const Pf pf = pf_block(next, H, groups);
+#define GU(m) gu_rows(j, r0, m, W, NB * u, up, &pf)
+                ROW_GROUPS(GU)
 #undef GU
-        }
+            }
     return NULL;
 }
 
@@ -215,8 +211,7 @@ FP32_TARGET static void *down(void *arg) {
     while (next_run(j, j->H / NB, &u0, &u1))
         for (int64_t u = u0; u < u1; u++) {
             const float *D = j->dn + u * I * NB;
-            const float *next = u + 1 < u1 ? D + I * NB : NULL;  /* its rows of 4 lines: two runs of 2 */
-            Pf pf = pf_runs(next, next ? next + 32 : NULL, 2, I, groups * I);
+            const Pf pf = pf_block(u + 1 < u1 ? D + I * NB : NULL, I, groups);
 #define DN(m) dn_rows(j, r0, m, D, NB * u, &pf)
             ROW_GROUPS(DN)
 #undef DN
@@ -244,7 +239,7 @@ int moecc_expert_fp32_layer(const float *x, int64_t ldx, int64_t T, int64_t k, c
                             int64_t *tok, float *tw, float *h, float *out, int64_t ldo, int nthreads) {
 #ifdef HAVE_FP32_KERNEL
     if (!moecc_expert_fp32_ready()) return 2;
-    if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || H % NB || I % 32 || ldx < H || ldo < H) return 1;
+    if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || H % NB || I % NB || ldx < H || ldo < H) return 1;
     int64_t at[E];
     if (sort_slots(T, k, top_i, top_w, E, gu, dn, at, tok, tw)) return 1;
     const int nth = nthreads < 1 ? 1 : nthreads;
@@ -253,7 +248,7 @@ int moecc_expert_fp32_layer(const float *x, int64_t ldx, int64_t T, int64_t k, c
             const int64_t n = at[e] - r < MAX_ROWS ? at[e] - r : MAX_ROWS;
             Job j = {x, ldx, tok + r, tw + r, n, H, I, (const float *)(intptr_t)gu[e], (const float *)(intptr_t)dn[e],
                      h, out, ldo, nth, 0};
-            run_threads(gate_up, &j, nth, I / 32);
+            run_threads(gate_up, &j, nth, I / NB);
             j.next = 0;
             run_threads(down, &j, nth, H / NB);
         }

@@ -10,7 +10,7 @@ all its inputs and runs silu * up and the weighted add on them before they leave
 
 `layer` returns False, having done nothing, where it does not apply: not built, no AVX-512 here
 (or MOECC_NO_NATIVE / MOECC_EXPERT_FP32=0), not fp32, weights not both `PackedLinear` in the
-layout the probe recognises, hidden not a multiple of 64 or intermediate of 32. The caller then
+layout the probe recognises, hidden or intermediate size not a multiple of 64. The caller then
 runs its own path. Results: fp32 sums in input order by fused multiply-adds, as oneDNN's kernel
 sums where it does not split the inputs; silu's exp is the kernel's own (~1 ulp, torch's is
 Sleef's), so an output may differ from the unfused path's in the last places.
@@ -57,7 +57,7 @@ def takes(w: tuple[Any, ...]) -> bool:
     if (getattr(gate_up, "rows_hint", None) is None or getattr(down, "rows_hint", None) is None
             or gate_up.dtype != torch.float32 or down.dtype != torch.float32 or gate_up.split is None
             or gate_up.out_features != 2 * gate_up.split or down.in_features != gate_up.split
-            or down.out_features != gate_up.in_features or gate_up.split % 32):
+            or down.out_features != gate_up.in_features or gate_up.split % _NB):
         return False
     return (blocked(gate_up.out_features, gate_up.in_features, gate_up.rows_hint)
             and blocked(down.out_features, down.in_features, down.rows_hint))

@@ -10,6 +10,8 @@ Skipped where the kernel does not run (not built, or a CPU without AVX-512)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -44,14 +46,18 @@ def routing(T: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def run(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, ws: list, E: int, native: bool) -> torch.Tensor:
-    """kernels.experts over a layer read in place (`together`), the fp32 kernel on or off."""
-    saved = kernels._LAYER_KERNELS.pop(torch.float32)
+    """kernels.experts over a layer read in place (`together`), the fp32 kernel on (and then
+    checked to have run) or off."""
+    saved, ran = kernels._LAYER_KERNELS.pop(torch.float32), []
     if native:
-        kernels._LAYER_KERNELS[torch.float32] = saved
+        kernels._LAYER_KERNELS[torch.float32] = SimpleNamespace(
+            takes=saved.takes, layer=lambda *a: ran.append(saved.layer(*a)) or ran[-1])
     try:
-        return kernels.experts(x, top_w, top_i, lambda used: (ws[e] for e in used), E, "silu", 64, together=True)[0]
+        out = kernels.experts(x, top_w, top_i, lambda used: (ws[e] for e in used), E, "silu", 64, together=True)[0]
     finally:
         kernels._LAYER_KERNELS[torch.float32] = saved
+    assert ran == ([True] if native else [])
+    return out
 
 
 def exact(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, dense: list) -> torch.Tensor:
@@ -68,10 +74,10 @@ def exact(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, dense: list
 
 
 @settings(max_examples=20, deadline=None)
-@given(H=st.sampled_from([64, 128, 192]), I=st.sampled_from([32, 64, 96, 224]), T=st.integers(1, 300),
+@given(H=st.sampled_from([64, 128, 192]), I=st.sampled_from([64, 128, 192, 256]), T=st.integers(1, 300),
        E=st.integers(2, 9), k=st.integers(1, 3), seed=st.integers(0, 2**16))
 @example(H=768, I=1152, T=256, E=8, k=2, seed=0)  # the bench model's shapes, 64 rows an expert
-@example(H=64, I=32, T=1, E=2, k=1, seed=1)  # one row: a row group of one
+@example(H=64, I=64, T=1, E=2, k=1, seed=1)  # one row: a row group of one
 def test_as_accurate_as_the_unfused_path(H: int, I: int, T: int, E: int, k: int, seed: int) -> None:
     k = min(k, E - 1)
     dense = [dense_weights(H, I, seed + e) for e in range(E)]
@@ -87,21 +93,22 @@ def test_as_accurate_as_the_unfused_path(H: int, I: int, T: int, E: int, k: int,
 
 
 def test_silu_within_two_ulps_of_torch_at_the_edges_of_exp() -> None:
-    """h = silu(x[j]) * x[32 + j] read out through a one-hot gate, up and down (every product but
+    """h = silu(x[j]) * x[32 + j] (j < 32) read out through a one-hot gate, up and down (every product but
     one zero, so the sums add nothing): against torch's F.silu for values where exp(-x)
     overflows, underflows or is near 1, and silu itself is subnormal."""
-    H, I = 64, 32
+    H, I = 64, 64
     gate_up = torch.zeros(2 * I, H)
-    gate_up[torch.arange(I), torch.arange(I)] = 1.0  # gate j reads x[j]
-    gate_up[I + torch.arange(I), I + torch.arange(I)] = 1.0  # up j reads x[32 + j]
+    n = 32  # values tried: gate j < 32 reads x[j], up j reads x[32 + j]; gate and up j >= 32 read nothing
+    gate_up[torch.arange(n), torch.arange(n)] = 1.0
+    gate_up[I + torch.arange(n), n + torch.arange(n)] = 1.0
     down = torch.zeros(H, I)
-    down[torch.arange(I), torch.arange(I)] = 1.0  # out[c] = h[c] for c < 32
+    down[torch.arange(n), torch.arange(n)] = 1.0  # out[c] = h[c] for c < 32
     ws = [packed(gate_up, down), packed(gate_up, down)]
     v = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 0.5, -0.5, 1.0, -1.0, 3.7, -3.7, 15.0, -15.0, 80.0,
                       -80.0, 87.5, -87.5, 88.8, -88.8, 89.5, -89.5, 103.0, -103.0, 110.0, -110.0, 1e30, -1e30, 20.25,
                       -20.25, 0.3466, -0.3466])  # [32]
-    x = torch.cat([v, torch.ones(I)])[None]  # [1, H]
-    got = run(x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int64), ws, 2, True)[0, :I]
+    x = torch.cat([v, torch.ones(n)])[None]  # [1, H]
+    got = run(x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int64), ws, 2, True)[0, :n]
     want = torch.nn.functional.silu(v)
     ulp = torch.maximum((torch.nextafter(want.abs(), torch.tensor(float("inf"))) - want.abs()),
                         torch.tensor(torch.finfo(torch.float32).tiny))
@@ -111,7 +118,7 @@ def test_silu_within_two_ulps_of_torch_at_the_edges_of_exp() -> None:
 @pytest.mark.parametrize("T,E,k", [(1100, 2, 1), (700, 3, 2)])
 def test_more_rows_than_a_part_run_as_several(T: int, E: int, k: int) -> None:
     """Prefill's thousands of rows an expert: parts of MAX_ROWS, as accurate as the unfused path."""
-    H, I = 64, 96
+    H, I = 64, 128
     dense = [dense_weights(H, I, e) for e in range(E)]
     ws = [packed(*d) for d in dense]
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
@@ -125,7 +132,7 @@ def test_more_rows_than_a_part_run_as_several(T: int, E: int, k: int) -> None:
 def test_kernels_experts_runs_it_for_a_layer_read_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 with `together`: one native call for the layer, experts no token chose never fetched;
     without `together` (weights streamed into slots) the path expert by expert."""
-    E, H, I, T = 6, 64, 96, 40
+    E, H, I, T = 6, 64, 128, 40
     ws = [packed(*dense_weights(H, I, e)) for e in range(E)]
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
     top_w, top_i = routing(T, E, 2, 2)
@@ -150,8 +157,8 @@ def test_layout_probe_finds_onednn_blocks(out_features: int, in_features: int) -
 
 
 def test_declines_without_writing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 rows, unpacked weights, an intermediate not a multiple of 32, a hidden size not a
-    multiple of 64, the switch off: False and `out` untouched."""
+    """bf16 rows, unpacked weights, an intermediate or a hidden size not a multiple of 64, the
+    switch off: False and `out` untouched."""
     E, T = 3, 10
     top_w, top_i = routing(T, E, 2, 5)
     counts = torch.bincount(top_i.reshape(-1), minlength=E).tolist()
@@ -161,10 +168,10 @@ def test_declines_without_writing(monkeypatch: pytest.MonkeyPatch) -> None:
         x, out = torch.randn(T, H).to(dtype), torch.zeros(T, H, dtype=dtype)
         return not expert_fp32.layer(x, top_w, top_i, counts, ws, out) and not out.any()
 
-    assert declines(64, 96, dtype=torch.bfloat16)
-    assert declines(64, 96, {e: (torch.zeros(192, 64), None, torch.zeros(64, 96)) for e in range(E)})
-    assert declines(64, 48)
-    assert declines(96, 64)
-    assert not declines(64, 96)  # the case itself runs
-    monkeypatch.setenv("MOECC_EXPERT_FP32", "0")
+    assert declines(64, 128, dtype=torch.bfloat16)
+    assert declines(64, 128, {e: (torch.zeros(256, 64), None, torch.zeros(64, 128)) for e in range(E)})
     assert declines(64, 96)
+    assert declines(96, 64)
+    assert not declines(64, 128)  # the case itself runs
+    monkeypatch.setenv("MOECC_EXPERT_FP32", "0")
+    assert declines(64, 128)
