@@ -2,11 +2,12 @@
 product and weighted sum (runtime/native/expert_rows.c), the rotary embedding (rope.c), the
 RMSNorm against kernels' NORM_ROWS-chunked torch passes (rmsnorm.c), a
 layer of packed experts (kernels.experts) with its rows gathered straight into the GEMMs' padded
-row count against gathered alone, and, on a CPU with AMX, a step's 8 layers of packed experts
-with each expert in one fused call (expert_amx.c) against oneDNN's GEMMs and the passes between
-them (every layer's weights distinct, so they stream from memory as in a job). Every pair is
-checked bit-equal before it is timed (the fused experts: as close to the exact result as the
-unfused path, since oneDNN splits these GEMMs' sums between threads); the two sides run
+row count against gathered alone, and a step's 8 layers of packed experts against oneDNN's GEMMs
+and the passes between them (every layer's weights distinct, so they stream from memory as in a
+job): on a CPU with AMX in bf16 each expert in one fused call (expert_amx.c), on a CPU with
+AVX-512 in fp32 each layer in one call (expert_fp32.c). Every pair is checked bit-equal before it
+is timed (the fused experts: as close to the exact result as the unfused path, since oneDNN
+splits these GEMMs' sums between threads and the fp32 kernel has its own exp); the two sides run
 interleaved, and the table gives medians and their ratio.
 
     python bench/host_passes.py [--rows 128,2048] [--tokens 96,512,8192] [--repeats 7] [--json PATH]
@@ -30,24 +31,28 @@ import torch
 import torch.nn.functional as F
 
 from moecc_runtime.memory.packed_weights import PackedLinear
-from moecc_runtime.native import expert_amx, expert_rows, rmsnorm, rope
+from moecc_runtime.native import expert_amx, expert_fp32, expert_rows, rmsnorm, rope
 from moecc_runtime.worker import kernels
 
 H, I, E, K, HQ, HKV, D = 768, 1152, 8, 2, 8, 2, 96
 
 
+#: the switch of each dtype's fused expert kernel (bf16: one AMX call an expert, fp32: one call a layer)
+SWITCH = {torch.bfloat16: "MOECC_EXPERT_AMX", torch.float32: "MOECC_EXPERT_FP32"}
+
+
 @contextmanager
-def fused_expert(on: str) -> Iterator[None]:
-    """MOECC_EXPERT_AMX set to `on` ("1" or "0") inside, as it was after."""
-    before = os.environ.get("MOECC_EXPERT_AMX")
-    os.environ["MOECC_EXPERT_AMX"] = on
+def fused_expert(on: str, switch: str = "MOECC_EXPERT_AMX") -> Iterator[None]:
+    """The environment variable `switch` set to `on` ("1" or "0") inside, as it was after."""
+    before = os.environ.get(switch)
+    os.environ[switch] = on
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("MOECC_EXPERT_AMX")
+            os.environ.pop(switch)
         else:
-            os.environ["MOECC_EXPERT_AMX"] = before
+            os.environ[switch] = before
 
 
 def timed_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -165,32 +170,39 @@ def experts_layer(tokens: int, repeats: int) -> dict[str, Any]:
             "shape": f"{tokens} tokens, {E} experts top-{K}", "native_ms": native, "torch_ms": ref}
 
 
-def fused_experts_step(tokens: int, repeats: int, layers: int = 8) -> dict[str, Any]:
-    """A decode step's experts over `layers` layers of distinct weights: each expert one fused AMX
-    call (expert_amx.c) against oneDNN's two GEMMs and the passes between them; ms per layer."""
+def fused_experts_step(tokens: int, repeats: int, dtype: torch.dtype = torch.bfloat16,
+                       layers: int = 8) -> dict[str, Any]:
+    """A decode step's experts over `layers` layers of distinct weights, the dtype's fused kernel
+    (SWITCH: bf16 each expert one AMX call, expert_amx.c; fp32 each layer one call read in place,
+    expert_fp32.c) against oneDNN's two GEMMs an expert and the passes between them; ms per layer."""
     g = torch.Generator().manual_seed(1)
-    banks = [[(PackedLinear((torch.randn(2 * I, H, generator=g) * 0.02).to(torch.bfloat16), 128, split=I,
+    banks = [[(PackedLinear((torch.randn(2 * I, H, generator=g) * 0.02).to(dtype), 128, split=I,
                             sections=(I, I)), None,
-               PackedLinear((torch.randn(H, I, generator=g) * 0.02).to(torch.bfloat16), 128)) for _ in range(E)]
+               PackedLinear((torch.randn(H, I, generator=g) * 0.02).to(dtype), 128)) for _ in range(E)]
              for _ in range(layers)]
-    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)  # [T, H]
+    x = torch.randn(tokens, H, generator=g).to(dtype)  # [T, H]
     top_w, top_i = torch.topk(torch.randn(tokens, E, generator=g).softmax(-1), K)  # [T, k]
+    together = dtype == torch.float32  # the fp32 kernel runs a whole layer read in place
 
-    def step(amx: str) -> list[torch.Tensor]:
-        with fused_expert(amx):
-            return [kernels.experts(x, top_w, top_i, lambda used, b=bank: (b[e] for e in used), E, "silu", 4096)[0]
-                    for bank in banks]
+    def step(on: str) -> list[torch.Tensor]:
+        with fused_expert(on, SWITCH[dtype]):
+            return [kernels.experts(x, top_w, top_i, lambda used, b=bank: (b[e] for e in used), E, "silu", 4096,
+                                    together=together)[0] for bank in banks]
 
     exact = _exact_experts(x, top_w, top_i, banks[0])
     err = [(o.double() - exact).abs().mean().item() for o in (step("1")[0], step("0")[0])]
-    assert err[0] <= 1.05 * err[1], f"the fused experts' mean error {err[0]} against the unfused {err[1]}"
+    assert err[0] <= (1.05 if dtype == torch.bfloat16 else 1.5) * err[1], \
+        f"the fused experts' mean error {err[0]} against the unfused {err[1]}"
     native, ref = timed_pair(lambda: step("1"), lambda: step("0"), repeats)
-    return {"pass": "a step's packed experts, each one fused AMX call (ms a layer)",
-            "shape": f"{tokens} tokens, {E} experts top-{K}", "native_ms": native / layers, "torch_ms": ref / layers}
+    kind = "each expert one fused AMX call" if dtype == torch.bfloat16 else "each layer one fp32 call"
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return {"pass": f"a step's packed experts, {kind} (ms a layer)",
+            "shape": f"{tokens} tokens, {E} experts top-{K} {name}", "native_ms": native / layers,
+            "torch_ms": ref / layers}
 
 
 def _exact_experts(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, bank: list) -> torch.Tensor:
-    """The layer's experts in fp64 from the same bf16 weights (oneDNN's packed copies unpacked)."""
+    """The layer's experts in fp64 from the same weights (oneDNN's packed copies unpacked)."""
     out = torch.zeros(x.shape, dtype=torch.float64)  # [T, H]
     for e, (gu, _, down) in enumerate(bank):
         tok, slot = (top_i == e).nonzero(as_tuple=True)
@@ -220,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     table += [experts_layer(t, a.repeats) for t in tokens]
     if expert_amx._module() is not None:
         table += [fused_experts_step(t, a.repeats) for t in tokens if t <= 4 * expert_amx.MAX_ROWS]
+    if expert_fp32._module() is not None:
+        table += [fused_experts_step(t, a.repeats, torch.float32) for t in tokens if t <= 4 * expert_fp32.MAX_ROWS]
     print(f"{'pass':<70} {'shape':<30} {'new ms':>8} {'before ms':>9} {'x':>6}")
     for r in table:
         r["speedup"] = r["torch_ms"] / r["native_ms"]
