@@ -65,14 +65,9 @@ typedef struct {
 } Job;
 
 #ifdef HAVE_AMX
-/* The next run [*lo, *hi) of `items` split into j->nth contiguous runs, taken by whichever thread
- * asks first (each thread of a full team takes one); 0 when all are taken. */
+/* The next run of a pass's `items` units for this thread (cpu.h's take_run over j->nth runs). */
 static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
-    const int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-    if (t >= j->nth) return 0;
-    *lo = items * t / j->nth;
-    *hi = items * (t + 1) / j->nth;
-    return 1;
+    return take_run(&j->next, j->nth, items, lo, hi);
 }
 
 /* Element offset of (row r, column c) in a [rows, K] matrix stored as tiles (packed_at's

@@ -59,14 +59,9 @@ typedef struct {
 #define FP32_TARGET __attribute__((target(AVX512_TARGET)))
 #define FP32_INLINE FP32_TARGET __attribute__((always_inline)) static inline
 
-/* The next run [*lo, *hi) of `items` split into j->nth contiguous runs, taken by whichever thread
- * asks first; 0 when all are taken. */
+/* The next run of a pass's `items` units for this thread (cpu.h's take_run over j->nth runs). */
 static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
-    const int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-    if (t >= j->nth) return 0;
-    *lo = items * t / j->nth;
-    *hi = items * (t + 1) / j->nth;
-    return 1;
+    return take_run(&j->next, j->nth, items, lo, hi);
 }
 
 /* The next block's weights, asked for while a block runs: two runs (p[0], p[1]) of 2 lines at
