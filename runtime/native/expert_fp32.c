@@ -22,12 +22,11 @@
  * of MAX_ROWS, each part two passes on torch's OpenMP team (cpu.h): gate/up by units of 64
  * outputs of each half (the gate's block, its sums kept in h, then the up's block, h = silu(gate)
  * * up), down by units of 64 outputs; each thread a contiguous run of units. A block runs its rows
- * MR at a time with MR x 4 accumulators in registers over all its inputs (the block's rows
- * stream whole from L2 for each group of rows after the first: 1.05-1.08x reading two half
- * blocks, gate's and up's, side by side), and asks for the next block's weights a few lines at
- * each input step. Linux/x86-64 with GCC 7 / Clang 6 or newer (the
- * AVX-512 target attribute); elsewhere, or on a CPU without AVX-512, the call returns 2 and the
- * caller runs torch's path.
+ * MR at a time with MR x 4 accumulators in registers over all its inputs, its rows streamed
+ * whole from L2 for each group of rows after the first (1.05-1.08x over reading gate's and up's
+ * half blocks side by side), and asks for the next block's weights a few lines at each input
+ * step. Linux/x86-64 with GCC 7 / Clang 6 or newer (the AVX-512 target attribute); elsewhere, or
+ * on a CPU without AVX-512, the call returns 2 and the caller runs torch's path.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -64,22 +63,17 @@ static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
     return take_run(&j->next, j->nth, items, lo, hi);
 }
 
-/* The next block's weights, asked for while a block runs: two runs (p[0], p[1]) of 2 lines at
- * each of its input steps, the steps 256 bytes apart, as a list of `lines` lines in the order
- * run 0's two, run 1's two, the next step's; each group of rows asks for its share of the list,
- * `per` lines at each of its input steps. */
-typedef struct { const char *p[2]; int64_t lines, share; int per; } Pf;
+/* The next block's weights (`lines` lines, contiguous), asked for while a block runs: each group
+ * of rows asks for its share of them, `per` lines at each of its input steps. */
+typedef struct { const char *p; int64_t lines, share; int per; } Pf;
 
-static Pf pf_runs(const float *a, const float *b, int64_t K, int64_t groups) {
-    Pf f = {{(const char *)a, (const char *)b}, a ? 4 * K : 0, 0, 0};
+/* The prefetch of block `next` (NULL: none, else K rows of 4 lines) while a block runs over its
+ * K inputs in `groups` groups of rows. */
+static Pf pf_block(const float *next, int64_t K, int64_t groups) {
+    Pf f = {(const char *)next, next ? 4 * K : 0, 0, 0};
     f.share = (f.lines + groups - 1) / groups;
     f.per = (int)((f.share + K - 1) / K);
     return f;
-}
-
-/* Line `li` of the list, asked for into L2. */
-FP32_INLINE void pf_line(const Pf *f, int64_t li) {
-    _mm_prefetch(f->p[(li >> 1) & 1] + (li >> 2) * (NB * 4) + (li & 1) * 64, _MM_HINT_T1);
 }
 
 /* exp(x) on 16 lanes to ~1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf polynomial,
@@ -115,7 +109,7 @@ FP32_INLINE void block_rows(const float *const *a, const int mr, int64_t K, cons
 #pragma GCC unroll 6
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        for (int q = 0; q < pf->per && li < end; q++) pf_line(pf, li++);
+        for (int q = 0; q < pf->per && li < end; q++, li++) _mm_prefetch(pf->p + li * 64, _MM_HINT_T1);
         const __m512 w0 = _mm512_loadu_ps(W + k * NB), w1 = _mm512_loadu_ps(W + k * NB + 16);
         const __m512 w2 = _mm512_loadu_ps(W + k * NB + 32), w3 = _mm512_loadu_ps(W + k * NB + 48);
 #pragma GCC unroll 6
@@ -173,11 +167,6 @@ FP32_INLINE void dn_rows(const Job *j, int64_t r0, const int mr, const float *D,
             default: CALL(6); break;                                                  \
         }                                                                             \
     }
-
-/* The prefetch of block `next` (NULL: none) while a block runs over K inputs in `groups`. */
-static Pf pf_block(const float *next, int64_t K, int64_t groups) {
-    return pf_runs(next, next ? next + 32 : NULL, K, groups);  /* a block's rows are 4 lines: two runs of 2 */
-}
 
 /* Gate and up by units of 64 outputs of each half: the gate block u (outputs 64u ..), then the
  * up block I/64 + u (outputs I + 64u ..), each asking for the next one's lines. */
