@@ -76,18 +76,19 @@ def dequant_rows() -> Callable[..., int] | None:
     return None if mod is None else mod.dequant_rows
 
 
-def amx_extension(module: str, symbol: str, switch: str) -> ModuleType | None:
-    """An AMX kernel's extension (`extension(module, symbol)`) where it runs: built, the
-    environment variable `switch` not "0", and its `ready()` saying this CPU and OS run AMX tiles
-    (asked once); None otherwise, and the caller runs its torch path."""
+def ready_extension(module: str, symbol: str, switch: str) -> ModuleType | None:
+    """A CPU-specific kernel's extension (`extension(module, symbol)`: the AMX kernels, the fp32
+    expert layer on AVX-512) where it runs: built, the environment variable `switch` not "0", and
+    its `ready()` saying this CPU and OS run it (asked once); None otherwise, and the caller runs
+    its torch path."""
     if os.environ.get(switch, "1") == "0":
         return None
     mod = extension(module, symbol)
-    return mod if mod is not None and _amx_ready(mod) else None
+    return mod if mod is not None and _ready(mod) else None
 
 
 @lru_cache(maxsize=None)
-def _amx_ready(mod: ModuleType) -> bool:
+def _ready(mod: ModuleType) -> bool:
     return bool(mod.ready())
 
 

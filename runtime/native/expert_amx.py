@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.native import amx_extension
+from moecc_runtime.native import ready_extension
 from moecc_runtime.native.expert_rows import _silu_table
 from moecc_runtime.native.packed_layout import Offsets, matches, raw as _raw
 
@@ -33,12 +33,12 @@ _NB = (32, 64)  #: output blocks of oneDNN's AB16b{NB}a2b bf16 layouts the kerne
 
 
 def _module() -> Any:
-    """The extension, or None: not built, turned off, no AMX on this CPU/OS (native.amx_extension),
+    """The extension, or None: not built, turned off, no AMX on this CPU/OS (native.ready_extension),
     or a torch that does not let its oneDNN tensors' bytes be read."""
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
         return None
-    return amx_extension("_expert_amx", "moecc_expert_amx", "MOECC_EXPERT_AMX")
+    return ready_extension("_expert_amx", "moecc_expert_amx", "MOECC_EXPERT_AMX")
 
 
 @lru_cache(maxsize=None)

@@ -28,10 +28,7 @@
  * step. Linux/x86-64 with GCC 7 / Clang 6 or newer (the AVX-512 target attribute); elsewhere, or
  * on a CPU without AVX-512, the call returns 2 and the caller runs torch's path.
  */
-#define _GNU_SOURCE
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
 #include <Python.h>
 
 #include "cpu.h"

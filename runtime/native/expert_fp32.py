@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.native import amx_extension
+from moecc_runtime.native import ready_extension
 from moecc_runtime.native.packed_layout import matches, raw
 
 MAX_ROWS = 512  #: rows of an expert per part (expert_fp32.c's MAX_ROWS): h's scratch holds one part
@@ -36,7 +36,7 @@ def _module() -> Any:
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
         return None
-    return amx_extension("_expert_fp32", "moecc_expert_fp32_ready", "MOECC_EXPERT_FP32")
+    return ready_extension("_expert_fp32", "moecc_expert_fp32_ready", "MOECC_EXPERT_FP32")
 
 
 @lru_cache(maxsize=None)

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.native import amx_extension
+from moecc_runtime.native import ready_extension
 
 
 def _module() -> Any:
     """The extension, or None: not built, turned off, or no AMX on this CPU/OS."""
-    return amx_extension("_prompt_amx", "moecc_prompt_amx", "MOECC_PROMPT_AMX")
+    return ready_extension("_prompt_amx", "moecc_prompt_amx", "MOECC_PROMPT_AMX")
 
 
 def available() -> bool:

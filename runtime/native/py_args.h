@@ -1,6 +1,6 @@
-/* The Python entries' argument reading for the plain-loop and AMX kernels (expert_rows.c, rope.c,
- * rmsnorm.c, expert_amx.c, prompt_amx.c): METH_FASTCALL, pointers and sizes passed as ints; the
- * AMX kernels' `ready()`. Include after Python.h. Header-only. */
+/* The Python entries' argument reading for the plain-loop and CPU-specific kernels (expert_rows.c,
+ * rope.c, rmsnorm.c, expert_amx.c, expert_fp32.c, prompt_amx.c): METH_FASTCALL, pointers and sizes
+ * passed as ints; the CPU-specific kernels' `ready()`. Include after Python.h. Header-only. */
 #ifndef MOECC_PY_ARGS_H
 #define MOECC_PY_ARGS_H
 
@@ -21,8 +21,8 @@ static int int_args(PyObject *const *args, Py_ssize_t n, Py_ssize_t want, const 
     return 0;
 }
 
-/* An AMX kernel's `ready()` entry and its method-table line: READY_FN() (1: this build and CPU
- * run the kernel) as a Python int. */
+/* A CPU-specific kernel's `ready()` entry (the AMX kernels, expert_fp32.c) and its method-table
+ * line: READY_FN() (1: this build and CPU run the kernel) as a Python int. */
 #define PY_READY(READY_FN)                                                                      \
     static PyObject *py_ready(PyObject *self, PyObject *const *args, Py_ssize_t n) {            \
         (void)self, (void)args;                                                                 \
@@ -30,6 +30,6 @@ static int int_args(PyObject *const *args, Py_ssize_t n, Py_ssize_t want, const 
         return PyLong_FromLong(READY_FN());                                                     \
     }
 #define PY_READY_METHOD \
-    {"ready", (PyCFunction)(void (*)(void))py_ready, METH_FASTCALL, "ready() -> 1 when AMX runs here"}
+    {"ready", (PyCFunction)(void (*)(void))py_ready, METH_FASTCALL, "ready() -> 1 when this build and CPU run it"}
 
 #endif
