@@ -33,7 +33,7 @@ def native(name: str, contract: str = "fast") -> Extension:
         sources=[f"{RUNTIME_DIR}/native/{name.lstrip('_')}.c"],
         depends=[f"{RUNTIME_DIR}/native/{h}"
                  for h in ("vec8.h", "vec16.h", "cpu.h", "attend_isa.h", "attend_lanes16.h", "dequant_wide.h", "bf16.h",
-                           "bf16_lanes.h", "row_items.h", "py_args.h", "amx.h", "expert_slots.h")],
+                           "bf16_lanes.h", "row_items.h", "py_args.h", "amx.h", "expert_slots.h", "exp16.h")],
         extra_compile_args=["-O3", "-std=c11", f"-ffp-contract={contract}"] if sys.platform != "win32" else ["/O2"],
         libraries=["m"] if sys.platform != "win32" else [],
         optional=True,
@@ -44,7 +44,8 @@ def native(name: str, contract: str = "fast") -> Extension:
 # around an expert's GEMMs; rope.c: rotary embedding; rmsnorm.c: the norm; kv_write.c: a step's K/V
 # rows scattered into the paged pool; expert_amx.c: a routed
 # expert's whole MLP on AMX tiles (its target attribute needs GCC 11 / Clang 12; older compilers
-# build a stub that declines); expert_fp32.c: a layer's routed experts in fp32 on AVX-512. Those
+# build a stub that declines); expert_fp32.c: a layer's routed experts in fp32 on AVX-512;
+# prompt_amx.c / prompt_fp32.c: fresh prompts' causal attention on AMX tiles (bf16) / AVX-512 (fp32). Those
 # built with contract="off" have no fused multiply-adds outside their products: they round as
 # torch's passes do.
 setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
@@ -52,4 +53,4 @@ setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
                    native("_dequant"), native("_expert_rows", contract="off"),
                    native("_rope", contract="off"), native("_rmsnorm", contract="off"),
                    native("_expert_amx", contract="off"), native("_expert_fp32", contract="off"),
-                   native("_prompt_amx"), native("_kv_write")])
+                   native("_prompt_amx"), native("_prompt_fp32", contract="off"), native("_kv_write")])

@@ -45,6 +45,9 @@ print("check_install: the fp32 expert layer", "runs on this CPU" if expert_fp32.
 from moecc_runtime.native import prompt_amx
 assert extension("_prompt_amx", "moecc_prompt_amx") is not None, "the wheel carries no AMX prompt attention (moecc_runtime.native._prompt_amx)"
 print("check_install: the AMX prompt attention", "runs on this CPU" if prompt_amx.available() else "is built (this CPU has no AMX)")
+from moecc_runtime.native import prompt_fp32
+assert extension("_prompt_fp32", "moecc_prompt_fp32") is not None, "the wheel carries no fp32 prompt attention (moecc_runtime.native._prompt_fp32)"
+print("check_install: the fp32 prompt attention", "runs on this CPU" if prompt_fp32.available() else "is built (this CPU has no AVX-512)")
 assert rope._module() is not None, "the wheel carries no host rope (moecc_runtime.native._rope)"
 assert rmsnorm.sum_lanes() is not None, "the wheel's host rmsnorm is missing or disagrees with torch's (moecc_runtime.native._rmsnorm)"
 from moecc_runtime.native import kv_write

@@ -32,6 +32,7 @@
 #include <Python.h>
 
 #include "cpu.h"
+#include "exp16.h"
 #include "expert_slots.h"
 #include "py_args.h"
 
@@ -71,23 +72,6 @@ static Pf pf_block(const float *next, int64_t K, int64_t groups) {
     f.share = (f.lines + groups - 1) / groups;
     f.per = (int)((f.share + K - 1) / K);
     return f;
-}
-
-/* exp(x) on 16 lanes to ~1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf polynomial,
- * times 2^n by vscalefps (x clamped to [-104, 89] first, NaN kept: inf past fp32's range, 0 below). */
-FP32_INLINE __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));  /* a NaN x stays */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), 0);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* silu(g) * u on 16 lanes: g / (1 + exp(-g)), rounded, times u, rounded. */

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.native import ready_extension
+from moecc_runtime.native import prompt_call, ready_extension
 
 
 def _module() -> Any:
@@ -39,21 +39,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[
     query head g reads KV head g // (Hq // Hkv)). q: [t, Hq, D]  k: [t, Hkv, D]  v: [t, Hkv, Dv]
     out: [t, Hq, Dv], all bf16 on the CPU, heads and dims contiguous in a row. False: not done,
     nothing written (module docstring)."""
-    mod = _module()
-    if mod is None or not spans:
-        return False
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.dim() != 3 for t in (q, k, v, out)):
-        return False
-    Hq, D, Hkv, Dv = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
-    if (D % 16 or Dv % 16 or Hq % Hkv or k.shape[2] != D or v.shape[1] != Hkv or out.shape[1:] != (Hq, Dv)
-            or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (q, k, v, out))):
-        return False
-    if any(hi <= lo or lo < 0 or hi > q.shape[0] for lo, hi in spans) or k.shape[0] < q.shape[0] or v.shape[0] < q.shape[0]:
-        return False
-    sp = torch.tensor(spans, dtype=torch.int64)  # [ns, 2]
-    rc = mod.attend(q.data_ptr(), q.shape[0], q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), sp.data_ptr(),
-                    len(spans), Hq, Hkv, D, Dv, float(scale), out.data_ptr(), out.stride(0),
-                    torch.get_num_threads())
-    if rc == 3:
-        raise MemoryError("prompt_amx: no thread got memory for its scratch (the K/V tiles of the longest prompt, its scores)")
-    return rc == 0
+    return prompt_call.attend(_module(), torch.bfloat16, "prompt_amx", q, k, v, spans, scale, out)

@@ -12,8 +12,9 @@ row of a prompt chunk of NATIVE_PROMPT_ROWS rows or more (the kernel groups a ch
 consecutive rows into one item). Shorter fresh prompts (a row group of one sequence starting
 at position 0: its new K/V are its whole context) run without a gather: in bf16 on a CPU with
 AMX those of AMX_PROMPT_ROWS rows or more in one call of the AMX prompt kernel
-(native/prompt_amx.py), the others of equal length batched, one causal SDPA call per batch
-(kernels.attend_prompts). Any other prompt chunk gathers its own sequence's blocks on the
+(native/prompt_amx.py), in fp32 on a CPU with AVX-512 all of them in one call of the fp32 prompt
+kernel (native/prompt_fp32.py), the others of equal length batched, one causal SDPA call per
+batch (kernels.attend_prompts). Any other prompt chunk gathers its own sequence's blocks on the
 host and runs causal SDPA over them: its O(n^2) compute dwarfs reading its context once.
 Without the native kernel (not built, or a K/V dtype it does not read), the decoding rows
 go through the gathered path on the host instead (same numerics as GatheredAttention).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,7 +37,7 @@ from moecc_runtime import native
 from moecc_runtime.contract.plan_types import Op
 from moecc_runtime.memory.kv import KVPool
 from moecc_runtime.memory.streaming import KVStaging
-from moecc_runtime.native import prompt_amx
+from moecc_runtime.native import prompt_amx, prompt_fp32
 from moecc_runtime.native.isa import cpu_flags
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.attention import attend_decode, blocks_needed, kv_view, project_qkv
@@ -74,6 +76,22 @@ def _amx_prompt_rows() -> int | None:
 #: bench/attention.py --prompts 300,450,600 --seqs 16 --dtypes bfloat16`); None: none do. Shorter
 #: ones keep SDPA, which rounds as transformers' own prefill does
 AMX_PROMPT_ROWS: int | None = _amx_prompt_rows()
+
+
+#: fresh prompts of at least this many rows attend through the fp32 prompt kernel on AVX-512
+#: (native/prompt_fp32.py): every one (1.4-3x torch's SDPA from 16 to 600 tokens on an AMX Xeon,
+#: its rounding fp32's: bench/results/README.md, thirteenth pass)
+FP32_PROMPT_ROWS: int | None = 2
+
+
+def _prompt_kernel(dtype: torch.dtype) -> tuple[Any, int | None]:
+    """The fresh-prompt kernel for `dtype` and the fewest rows a prompt needs to go through it
+    (None: no kernel)."""
+    if dtype == torch.bfloat16:
+        return prompt_amx, AMX_PROMPT_ROWS
+    if dtype == torch.float32:
+        return prompt_fp32, FP32_PROMPT_ROWS
+    return None, None
 
 
 @dataclass
@@ -213,11 +231,13 @@ class HostAttention:
     def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fresh: list[tuple[int, int]], scale: float,
                       out: torch.Tensor) -> set[tuple[int, int]]:
         """Fresh prompts (rows [lo, hi), their whole context) attended without a gather: those of at
-        least AMX_PROMPT_ROWS rows on AMX tiles where that kernel takes them (bf16), the rest batched
-        through SDPA where two or more are left. Returns the spans done."""
+        least the dtype's rows (_prompt_kernel) through its kernel where it takes them (bf16 on AMX
+        tiles, fp32 on AVX-512), the rest batched through SDPA where two or more are left. Returns
+        the spans done."""
         done: set[tuple[int, int]] = set()
-        long = [s for s in fresh if AMX_PROMPT_ROWS and s[1] - s[0] >= AMX_PROMPT_ROWS]
-        if long and prompt_amx.attend(q, k, v, long, scale, out):
+        kernel, rows = _prompt_kernel(q.dtype)
+        long = [s for s in fresh if rows and s[1] - s[0] >= rows]
+        if long and kernel.attend(q, k, v, long, scale, out):
             done.update(long)
         rest = [s for s in fresh if s not in done]
         if len(rest) > 1:

@@ -230,3 +230,25 @@ def test_fp32_expert_layer_matches_transformers(tmp_path, hf_models, monkeypatch
         ref_ids, ref_logits = _reference(model, r.prompt_ids, NEW_TOKENS)
         assert got[r.key].token_ids == ref_ids, f"prompt {r.key} ({len(r.prompt_ids)} tokens)"
         assert max((a - b).abs().max().item() for a, b in zip(got[r.key].logits, ref_logits)) < 1e-4
+
+
+def test_fp32_prompt_kernel_matches_transformers(tmp_path, hf_models, monkeypatch):
+    """The tiny Mixtral's head dim 16 is one the fp32 prompt kernel takes
+    (runtime/native/prompt_fp32.c): on a CPU with AVX-512 every fresh prompt attends through it,
+    and greedy output is still token-identical to transformers with logits within 1e-4."""
+    from moecc.testing.checkpoints import write_checkpoint
+    from moecc_runtime.native import prompt_fp32
+
+    path = write_checkpoint(tmp_path / "m", "mixtral")
+    model, tok = hf_models(path)
+    plan, _ = compile_model(path)
+    ran = []
+    attend = prompt_fp32.attend
+    monkeypatch.setattr(prompt_fp32, "attend", lambda *a: ran.append(attend(*a)) or ran[-1])
+    reqs = [GenRequest(str(i), tok(p)["input_ids"], NEW_TOKENS) for i, p in enumerate(_prompts(12))]
+    got = _run_moecc(plan, path, reqs, max_batch=7)
+    assert all(ran) and bool(ran) == prompt_fp32.available()
+    for r in reqs:
+        ref_ids, ref_logits = _reference(model, r.prompt_ids, NEW_TOKENS)
+        assert got[r.key].token_ids == ref_ids, f"prompt {r.key} ({len(r.prompt_ids)} tokens)"
+        assert max((a - b).abs().max().item() for a, b in zip(got[r.key].logits, ref_logits)) < 1e-4
