@@ -19,9 +19,10 @@ With --prompts LENGTHS prefill attention is timed instead: for each length n, --
 prompts of n tokens, every row of each attending its own causal prefix, through the host kernel
 (a prompt's consecutive rows grouped, as HostAttention sends prompt chunks of
 host_attention.NATIVE_PROMPT_ROWS rows or more) against torch's causal SDPA one prompt a call
-(what a prompt alone, or of a length no other shares, runs otherwise), in the pool's dtype; and in
-bf16 on a CPU with AMX the AMX prompt kernel (native/prompt_amx.py: every prompt in one call, over
-the prompts' own K/V rows, as HostAttention sends fresh prompts of AMX_PROMPT_ROWS rows or more).
+(what a prompt alone, or of a length no other shares, runs otherwise), in the pool's dtype; and the
+dtype's fresh-prompt kernel where it runs (every prompt in one call, over the prompts' own K/V rows,
+as HostAttention sends fresh prompts: bf16 on a CPU with AMX native/prompt_amx.py, fp32 on a CPU
+with AVX-512 native/prompt_fp32.py).
 
     python bench/attention.py --prompts 300,450,600 --seqs 16 --block-size 8
 
@@ -46,11 +47,10 @@ import torch
 
 from moecc_runtime import native
 from moecc_runtime.memory.kv import KVPool
-from moecc_runtime.native import prompt_amx
 from moecc_runtime.worker.attention import attend_decode, kv_view
 from moecc_runtime.worker.attention_backends import Where
 from moecc_runtime.worker.batch import MicroBatch
-from moecc_runtime.worker.host_attention import host_view
+from moecc_runtime.worker.host_attention import host_view, prompt_kernel
 
 
 def micro_batch(B: int, ctx: int, bs: int, num_blocks: int, gen: torch.Generator) -> MicroBatch:
@@ -204,15 +204,16 @@ def time_prompts(n: int, S: int, dtype: torch.dtype, args: argparse.Namespace, g
         native.paged_attention(native.kernel_queries(q), pool.k[0], pool.v[0], rows, flat, table_off, ctx, lo, scale,
                                out_k)  # as the worker hands them over
 
-    # the prompts' own K/V as the layer's new rows [S*n, Hkv, D]: what the AMX prompt kernel reads
+    # the prompts' own K/V as the layer's new rows [S*n, Hkv, D]: what a prompt kernel reads
     k_rows = torch.cat([k[0].transpose(0, 1) for k in ks])
     v_rows = torch.cat([v[0].transpose(0, 1) for v in vs])
     spans = [(i * n, (i + 1) * n) for i in range(S)]
     out_a = torch.empty(S * n, Hq, D, dtype=dtype)
-    amx = dtype == torch.bfloat16 and prompt_amx.available()
+    pk = prompt_kernel(dtype)[0]
+    pk = pk if pk is not None and pk.available() else None
 
-    def amx_prompts() -> None:
-        assert prompt_amx.attend(q, k_rows, v_rows, spans, scale, out_a)
+    def prompts() -> None:
+        assert pk.attend(q, k_rows, v_rows, spans, scale, out_a)
 
     def sdpa() -> None:
         for i in range(S):
@@ -221,7 +222,7 @@ def time_prompts(n: int, S: int, dtype: torch.dtype, args: argparse.Namespace, g
                                                                  enable_gqa=True)
             out_s[i * n:(i + 1) * n] = o[0].transpose(0, 1)
 
-    paths = (("kernel", kernel), ("sdpa", sdpa)) + ((("amx", amx_prompts),) if amx else ())
+    paths = (("kernel", kernel), ("sdpa", sdpa)) + ((("prompts", prompts),) if pk else ())
     times: dict[str, list[float]] = {name: [] for name, _ in paths}
     for _, f in paths:
         f()
@@ -235,10 +236,11 @@ def time_prompts(n: int, S: int, dtype: torch.dtype, args: argparse.Namespace, g
     r = {"prompt_tokens": n, "prompts": S, "dtype": str(dtype).removeprefix("torch."), "kernel_s": k_s,
          "sdpa_s": s_s, "speedup": s_s / k_s, "kernel_GFLOPs": flops / k_s / 1e9, "sdpa_GFLOPs": flops / s_s / 1e9,
          "max_abs_diff": (out_k - out_s.float()).abs().max().item()}
-    if amx:  # the AMX prompt kernel: every prompt in one call
-        a_s = median(times["amx"])
-        r.update(amx_s=a_s, amx_speedup=s_s / a_s, amx_GFLOPs=flops / a_s / 1e9,
-                 amx_max_abs_diff=(out_a.float() - out_s.float()).abs().max().item())
+    if pk:  # the dtype's prompt kernel: every prompt in one call
+        a_s = median(times["prompts"])
+        r.update(prompt_kernel=pk.__name__.rsplit(".", 1)[-1], prompt_kernel_s=a_s, prompt_kernel_speedup=s_s / a_s,
+                 prompt_kernel_GFLOPs=flops / a_s / 1e9,
+                 prompt_kernel_max_abs_diff=(out_a.float() - out_s.float()).abs().max().item())
     return r
 
 
@@ -252,8 +254,9 @@ def run_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(f"prompts of {n:4d} {r['dtype']:>8} x{r['prompts']}: kernel {r['kernel_s'] * 1e3:7.2f} ms/layer "
                   f"({r['kernel_GFLOPs']:.0f} GFLOP/s)  SDPA {r['sdpa_s'] * 1e3:7.2f} ms/layer ({r['sdpa_GFLOPs']:.0f} "
                   f"GFLOP/s)  kernel {r['speedup']:.2f}x  max|diff| {r['max_abs_diff']:.1e}"
-                  + (f"  AMX prompts {r['amx_s'] * 1e3:7.2f} ms/layer ({r['amx_GFLOPs']:.0f} GFLOP/s) "
-                     f"{r['amx_speedup']:.2f}x SDPA, max|diff| {r['amx_max_abs_diff']:.1e}" if "amx_s" in r else ""))
+                  + (f"  {r['prompt_kernel']} {r['prompt_kernel_s'] * 1e3:7.2f} ms/layer ({r['prompt_kernel_GFLOPs']:.0f} "
+                     f"GFLOP/s) {r['prompt_kernel_speedup']:.2f}x SDPA, max|diff| {r['prompt_kernel_max_abs_diff']:.1e}"
+                     if "prompt_kernel_s" in r else ""))
     return rows
 
 

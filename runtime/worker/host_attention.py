@@ -84,7 +84,7 @@ AMX_PROMPT_ROWS: int | None = _amx_prompt_rows()
 FP32_PROMPT_ROWS: int | None = 2
 
 
-def _prompt_kernel(dtype: torch.dtype) -> tuple[Any, int | None]:
+def prompt_kernel(dtype: torch.dtype) -> tuple[Any, int | None]:
     """The fresh-prompt kernel for `dtype` and the fewest rows a prompt needs to go through it
     (None: no kernel)."""
     if dtype == torch.bfloat16:
@@ -231,11 +231,11 @@ class HostAttention:
     def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fresh: list[tuple[int, int]], scale: float,
                       out: torch.Tensor) -> set[tuple[int, int]]:
         """Fresh prompts (rows [lo, hi), their whole context) attended without a gather: those of at
-        least the dtype's rows (_prompt_kernel) through its kernel where it takes them (bf16 on AMX
+        least the dtype's rows (prompt_kernel) through its kernel where it takes them (bf16 on AMX
         tiles, fp32 on AVX-512), the rest batched through SDPA where two or more are left. Returns
         the spans done."""
         done: set[tuple[int, int]] = set()
-        kernel, rows = _prompt_kernel(q.dtype)
+        kernel, rows = prompt_kernel(q.dtype)
         long = [s for s in fresh if rows and s[1] - s[0] >= rows]
         if long and kernel.attend(q, k, v, long, scale, out):
             done.update(long)
