@@ -105,7 +105,7 @@ static void run_threads(void *(*fn)(void *), void *job, int nthreads, int64_t it
  * items (t + 1) / parts)), counted by *next and taken by whichever thread asks first; 0 when all
  * are taken. A thread asks until none is left, so every run is taken however many threads
  * run_threads started. */
-static int take_run(int64_t *next, int parts, int64_t items, int64_t *lo, int64_t *hi) {
+static inline int take_run(int64_t *next, int parts, int64_t items, int64_t *lo, int64_t *hi) {
     const int64_t t = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
     if (t >= parts) return 0;
     *lo = items * t / parts;

@@ -31,6 +31,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "cpu.h"
+#include "prompt_items.h"
 #include "py_args.h"
 
 typedef struct {
@@ -43,7 +44,6 @@ typedef struct {
     int64_t next;                                      /* the next item to hand out */
 } Job;
 
-#define SPAN_N_RAW(sp, s) ((sp)[2 * (s) + 1] - (sp)[2 * (s)])
 #define SPAN_N(j, s) SPAN_N_RAW((j)->spans, s)
 #define ROUND32(x) (((x) + 31) / 32 * 32)
 
@@ -242,17 +242,6 @@ AMX_TARGET static void *attend_items(void *arg) {
     return NULL;
 }
 
-/* qsort_r's order of items s * m + c (arg: an Order, m items a prompt): longer prompts first,
- * then by s and c, so a thread's consecutive items share a KV head's tiles and the last items are
- * the shortest. */
-typedef struct { const int64_t *spans; int64_t m; } Order;
-
-static int longer_first(const void *a, const void *b, void *arg) {
-    const Order *o = (const Order *)arg;
-    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    const int64_t nx = SPAN_N_RAW(o->spans, x / o->m), ny = SPAN_N_RAW(o->spans, y / o->m);
-    return nx != ny ? (nx > ny ? -1 : 1) : (x < y ? -1 : x > y);
-}
 #endif
 
 /* 1: this build and CPU run the kernel; 0: they do not. */
@@ -274,8 +263,8 @@ int moecc_prompt_amx(const uint16_t *q, int64_t t, int64_t ldq, const uint16_t *
     if (ns < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || D % 16 || Dv % 16 || D < 16 || Dv < 16 || ldq < Hq * D ||
         ldk < Hkv * D || ldv < Hkv * Dv || ldo < Hq * Dv)
         return 1;
-    for (int64_t s = 0; s < ns; s++)
-        if (SPAN_N_RAW(spans, s) < 1 || spans[2 * s] < 0 || spans[2 * s + 1] > t) return 1;
+    int64_t maxn;
+    if (!spans_ok(spans, ns, t, &maxn)) return 1;
     const int nth = nthreads < 1 ? 1 : nthreads;
     int64_t per = Hq / Hkv;  /* a KV head's query heads an item (one lay-out of its tiles); while too few */
     while (per > 1 && ns * Hq / per < 4 * nth) {  /* items to share among the threads, the next divisor down */
@@ -284,11 +273,8 @@ int moecc_prompt_amx(const uint16_t *q, int64_t t, int64_t ldq, const uint16_t *
         per = d;
     }
     const int64_t nitems = ns * Hq / per;
-    int64_t *items = malloc((size_t)nitems * sizeof *items);
+    int64_t *items = longest_first(spans, ns, Hq / per);
     if (!items) return 3;
-    for (int64_t i = 0; i < nitems; i++) items[i] = i;
-    Order order = {spans, Hq / per};
-    qsort_r(items, (size_t)nitems, sizeof *items, longer_first, &order);
     Job j = {q, k, v, t, ldq, ldk, ldv, spans, ns, Hq, Hkv, D, Dv, ROUND32(D), ROUND32(Dv), scale, items, nitems, per,
              out, ldo, 0};
     run_threads(attend_items, &j, nth, nitems);

@@ -33,6 +33,7 @@
 
 #include "cpu.h"
 #include "exp16.h"
+#include "prompt_items.h"
 #include "py_args.h"
 
 #define RB 48  /* rows a block (3 vectors; 6- and 4-row tiles divide it) */
@@ -47,8 +48,6 @@ typedef struct {
     int64_t maxn;                                   /* the longest prompt's rows */
     int64_t next;                                   /* the next item to hand out */
 } Job;
-
-#define SPAN_N_RAW(sp, s) ((sp)[2 * (s) + 1] - (sp)[2 * (s)])
 
 #if defined(HAVE_AVX512_CLONE) && defined(__linux__)
 #define HAVE_PROMPT_FP32 1
@@ -194,13 +193,6 @@ P32_TARGET static void *attend_items(void *arg) {
     return NULL;
 }
 
-/* qsort_r's order of items s * Hq + g (arg: the Job): longer prompts first, then by item. */
-static int longer_first(const void *a, const void *b, void *arg) {
-    const Job *j = (const Job *)arg;
-    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    const int64_t nx = SPAN_N_RAW(j->spans, x / j->Hq), ny = SPAN_N_RAW(j->spans, y / j->Hq);
-    return nx != ny ? (nx > ny ? -1 : 1) : (x < y ? -1 : x > y);
-}
 #endif
 
 /* 1: this build and CPU run the kernel; 0: they do not. */
@@ -222,17 +214,12 @@ int moecc_prompt_fp32(const float *q, int64_t t, int64_t ldq, const float *k, in
     if (ns < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || D % 16 || Dv % 16 || D < 16 || Dv < 16 || ldq < Hq * D ||
         ldk < Hkv * D || ldv < Hkv * Dv || ldo < Hq * Dv || !(scale > 0.0f))
         return 1;
-    int64_t maxn = 0;
-    for (int64_t s = 0; s < ns; s++) {
-        if (SPAN_N_RAW(spans, s) < 1 || spans[2 * s] < 0 || spans[2 * s + 1] > t) return 1;
-        maxn = SPAN_N_RAW(spans, s) > maxn ? SPAN_N_RAW(spans, s) : maxn;
-    }
+    int64_t maxn;
+    if (!spans_ok(spans, ns, t, &maxn)) return 1;
     const int64_t nitems = ns * Hq;
-    int64_t *items = malloc((size_t)nitems * sizeof *items);
+    int64_t *items = longest_first(spans, ns, Hq);
     if (!items) return 3;
-    for (int64_t i = 0; i < nitems; i++) items[i] = i;
     Job j = {q, k, v, t, ldq, ldk, ldv, spans, ns, Hq, Hkv, D, Dv, scale, items, nitems, out, ldo, maxn, 0};
-    qsort_r(items, (size_t)nitems, sizeof *items, longer_first, &j);
     run_threads(attend_items, &j, nthreads < 1 ? 1 : nthreads, nitems);
     free(items);
     return j.next >= nitems ? 0 : 3;  /* no thread had scratch: nothing taken */

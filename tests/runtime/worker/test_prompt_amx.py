@@ -6,36 +6,20 @@ takes it only for prompts of AMX_PROMPT_ROWS rows or more (shorter ones keep SDP
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pytest
 from moecc_runtime.native import prompt_amx
 from moecc_runtime.worker import host_attention
+from tests.runtime.worker.prompt_cases import case, sdpa
 
 needs_amx = pytest.mark.skipif(not prompt_amx.available(), reason="the AMX prompt kernel does not run here")
 
 
-def _case(lengths: list[int], Hq: int, Hkv: int, D: int, Dv: int, seed: int = 0, gap: int = 0):
-    """q/k/v [t, H, D|Dv] bf16 for prompts of `lengths` rows, `gap` foreign rows between them."""
-    g = torch.Generator().manual_seed(seed)
-    spans, at = [], gap
-    for n in lengths:
-        spans.append((at, at + n))
-        at += n + gap
-    q, k = (torch.randn(at, h, D, generator=g).to(torch.bfloat16) for h in (Hq, Hkv))
-    v = torch.randn(at, Hkv, Dv, generator=g).to(torch.bfloat16)
-    return q, k, v, spans
-
-
-def _sdpa(q, k, v, lo, hi, dtype):
-    """[n, Hq, Dv]: causal SDPA of rows [lo, hi) in `dtype` (GQA by repeating the KV heads)."""
-    rep = q.shape[1] // k.shape[1]
-    qs, ks, vs = (x[lo:hi].to(dtype).transpose(0, 1) for x in (q, k, v))
-    o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0),
-                                       is_causal=True, scale=q.shape[2] ** -0.5)
-    return o.transpose(0, 1)
+def _bf16(*a, **kw):
+    """prompt_cases.case in bf16."""
+    return case(*a, dtype=torch.bfloat16, **kw)
 
 
 @needs_amx
@@ -45,14 +29,14 @@ def _sdpa(q, k, v, lo, hi, dtype):
        gap=st.integers(0, 3), seed=st.integers(0, 2**16))
 def test_attention_is_as_close_to_exact_as_bf16_sdpa(lengths, heads, dims, gap, seed):
     (Hq, Hkv), (D, Dv) = heads, dims
-    q, k, v, spans = _case(lengths, Hq, Hkv, D, Dv, seed, gap)
+    q, k, v, spans = _bf16(lengths, Hq, Hkv, D, Dv, seed, gap)
     out = torch.full((q.shape[0], Hq, Dv), 3.0, dtype=torch.bfloat16)
     assert prompt_amx.attend(q, k, v, spans, D ** -0.5, out)
     owned = torch.zeros(q.shape[0], dtype=torch.bool)
     for lo, hi in spans:
         owned[lo:hi] = True
-        exact = _sdpa(q, k, v, lo, hi, torch.float64)
-        sdpa_err = (_sdpa(q, k, v, lo, hi, torch.bfloat16).double() - exact).abs().max().item()
+        exact = sdpa(q, k, v, lo, hi, torch.float64)
+        sdpa_err = (sdpa(q, k, v, lo, hi, torch.bfloat16).double() - exact).abs().max().item()
         err = (out[lo:hi].double() - exact).abs().max().item()
         assert err <= 1.5 * sdpa_err + 2e-3, (lo, hi, err, sdpa_err)
     assert torch.all(out[~owned] == 3.0)  # rows of no prompt: untouched
@@ -60,7 +44,7 @@ def test_attention_is_as_close_to_exact_as_bf16_sdpa(lengths, heads, dims, gap, 
 
 @needs_amx
 def test_threads_agree_bitwise():
-    q, k, v, spans = _case([300, 77, 450, 1, 129], 8, 2, 96, 96, seed=3)
+    q, k, v, spans = _bf16([300, 77, 450, 1, 129], 8, 2, 96, 96, seed=3)
     outs = []
     for n in (1, 2):
         out = torch.empty(q.shape[0], 8, 96, dtype=torch.bfloat16)
@@ -79,7 +63,7 @@ def test_threads_agree_bitwise():
 def test_a_prompt_alone_has_its_bits_among_many(Hq, Hkv):
     """A work item is a KV head's query heads, split when prompts are too few for the threads:
     either way a prompt's rows get the same bits."""
-    q, k, v, spans = _case([300, 77, 450, 129, 64, 33, 200, 90, 301], Hq, Hkv, 96, 96, seed=7)
+    q, k, v, spans = _bf16([300, 77, 450, 129, 64, 33, 200, 90, 301], Hq, Hkv, 96, 96, seed=7)
     together = torch.empty(q.shape[0], Hq, 96, dtype=torch.bfloat16)
     assert prompt_amx.attend(q, k, v, spans, 0.1, together)
     for lo, hi in spans[:3]:
@@ -90,7 +74,7 @@ def test_a_prompt_alone_has_its_bits_among_many(Hq, Hkv):
 
 @pytest.mark.parametrize("what", ["fp32", "dim", "heads", "span", "off"])
 def test_declines_what_it_does_not_take(what, monkeypatch):
-    q, k, v, spans = _case([40, 20], 4, 2, 32, 32)
+    q, k, v, spans = _bf16([40, 20], 4, 2, 32, 32)
     if what == "fp32":
         q, k, v = q.float(), k.float(), v.float()
     elif what == "dim":
@@ -110,7 +94,7 @@ def test_declines_what_it_does_not_take(what, monkeypatch):
 def test_host_attention_takes_it_for_long_prompts_only(monkeypatch):
     """Prompts of AMX_PROMPT_ROWS rows or more go through the kernel; shorter ones keep the
     batched SDPA path's bits exactly."""
-    q, k, v, spans = _case([40, 40, 12, 12], 8, 2, 64, 64, seed=5)
+    q, k, v, spans = _bf16([40, 40, 12, 12], 8, 2, 64, 64, seed=5)
     got = {}
     for rows in (None, 40):
         monkeypatch.setattr(host_attention, "AMX_PROMPT_ROWS", rows)

@@ -7,36 +7,15 @@ prompt through it."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pytest
 from moecc_runtime.native import prompt_fp32
 from moecc_runtime.worker import host_attention
+from tests.runtime.worker.prompt_cases import case, sdpa
 
 needs_kernel = pytest.mark.skipif(not prompt_fp32.available(), reason="the fp32 prompt kernel does not run here")
-
-
-def _case(lengths: list[int], Hq: int, Hkv: int, D: int, Dv: int, seed: int = 0, gap: int = 0):
-    """q/k/v [t, H, D|Dv] fp32 for prompts of `lengths` rows, `gap` foreign rows between them."""
-    g = torch.Generator().manual_seed(seed)
-    spans, at = [], gap
-    for n in lengths:
-        spans.append((at, at + n))
-        at += n + gap
-    q, k = (torch.randn(at, h, D, generator=g) for h in (Hq, Hkv))
-    v = torch.randn(at, Hkv, Dv, generator=g)
-    return q, k, v, spans
-
-
-def _sdpa(q, k, v, lo, hi, dtype):
-    """[n, Hq, Dv]: causal SDPA of rows [lo, hi) in `dtype` (GQA by repeating the KV heads)."""
-    rep = q.shape[1] // k.shape[1]
-    qs, ks, vs = (x[lo:hi].to(dtype).transpose(0, 1) for x in (q, k, v))
-    o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0),
-                                       is_causal=True, scale=q.shape[2] ** -0.5)
-    return o.transpose(0, 1)
 
 
 @needs_kernel
@@ -46,14 +25,14 @@ def _sdpa(q, k, v, lo, hi, dtype):
        gap=st.integers(0, 3), seed=st.integers(0, 2**16))
 def test_attention_is_as_close_to_exact_as_fp32_sdpa(lengths, heads, dims, gap, seed):
     (Hq, Hkv), (D, Dv) = heads, dims
-    q, k, v, spans = _case(lengths, Hq, Hkv, D, Dv, seed, gap)
+    q, k, v, spans = case(lengths, Hq, Hkv, D, Dv, seed, gap)
     out = torch.full((q.shape[0], Hq, Dv), 3.0)
     assert prompt_fp32.attend(q, k, v, spans, D ** -0.5, out)
     owned = torch.zeros(q.shape[0], dtype=torch.bool)
     for lo, hi in spans:
         owned[lo:hi] = True
-        exact = _sdpa(q, k, v, lo, hi, torch.float64)
-        sdpa_err = (_sdpa(q, k, v, lo, hi, torch.float32).double() - exact).abs().max().item()
+        exact = sdpa(q, k, v, lo, hi, torch.float64)
+        sdpa_err = (sdpa(q, k, v, lo, hi, torch.float32).double() - exact).abs().max().item()
         err = (out[lo:hi].double() - exact).abs().max().item()
         assert err <= 2 * sdpa_err + 1e-6, (lo, hi, err, sdpa_err)
     assert torch.all(out[~owned] == 3.0)  # rows of no prompt: untouched
@@ -61,7 +40,7 @@ def test_attention_is_as_close_to_exact_as_fp32_sdpa(lengths, heads, dims, gap, 
 
 @needs_kernel
 def test_a_prompt_has_its_own_bits_alone_among_many_and_on_any_threads():
-    q, k, v, spans = _case([300, 77, 450, 1, 129, 48, 49], 8, 2, 96, 96, seed=3)
+    q, k, v, spans = case([300, 77, 450, 1, 129, 48, 49], 8, 2, 96, 96, seed=3)
     together = torch.empty(q.shape[0], 8, 96)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -77,7 +56,7 @@ def test_a_prompt_has_its_own_bits_alone_among_many_and_on_any_threads():
 
 @pytest.mark.parametrize("what", ["bf16", "dim", "heads", "span", "out", "off"])
 def test_declines_what_it_does_not_take(what, monkeypatch):
-    q, k, v, spans = _case([40, 20], 4, 2, 32, 32)
+    q, k, v, spans = case([40, 20], 4, 2, 32, 32)
     if what == "bf16":
         q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     elif what == "dim":
@@ -98,7 +77,7 @@ def test_declines_what_it_does_not_take(what, monkeypatch):
 def test_host_attention_sends_every_fresh_fp32_prompt_through_it(monkeypatch):
     """With the kernel every fresh prompt is done by it, one alone included (SDPA's batch path
     takes two or more); without it (FP32_PROMPT_ROWS None) the same outputs within fp32 rounding."""
-    q, k, v, spans = _case([40, 40, 12, 7], 8, 2, 64, 64, seed=5)
+    q, k, v, spans = case([40, 40, 12, 7], 8, 2, 64, 64, seed=5)
     calls = []
     attend = prompt_fp32.attend
     monkeypatch.setattr(prompt_fp32, "attend", lambda *a: calls.append(a[3]) or attend(*a))

@@ -1,0 +1,30 @@
+"""Cases the fresh-prompt kernels' tests share (test_prompt_amx.py, test_prompt_fp32.py): prompts'
+q/k/v rows, and causal SDPA of one prompt as the reference."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def case(lengths: list[int], Hq: int, Hkv: int, D: int, Dv: int, seed: int = 0, gap: int = 0,
+         dtype: torch.dtype = torch.float32):
+    """q/k/v [t, H, D|Dv] of `dtype` for prompts of `lengths` rows, `gap` foreign rows between
+    them (drawn in fp32, then cast), and their spans."""
+    g = torch.Generator().manual_seed(seed)
+    spans, at = [], gap
+    for n in lengths:
+        spans.append((at, at + n))
+        at += n + gap
+    q, k = (torch.randn(at, h, D, generator=g).to(dtype) for h in (Hq, Hkv))
+    v = torch.randn(at, Hkv, Dv, generator=g).to(dtype)
+    return q, k, v, spans
+
+
+def sdpa(q, k, v, lo, hi, dtype):
+    """[n, Hq, Dv]: causal SDPA of rows [lo, hi) in `dtype` (GQA by repeating the KV heads)."""
+    rep = q.shape[1] // k.shape[1]
+    qs, ks, vs = (x[lo:hi].to(dtype).transpose(0, 1) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0),
+                                       is_causal=True, scale=q.shape[2] ** -0.5)
+    return o.transpose(0, 1)
