@@ -52,7 +52,7 @@ assert rope._module() is not None, "the wheel carries no host rope (moecc_runtim
 assert rmsnorm.sum_lanes() is not None, "the wheel's host rmsnorm is missing or disagrees with torch's (moecc_runtime.native._rmsnorm)"
 from moecc_runtime.native import kv_write
 assert kv_write._module() is not None, "the wheel carries no host KV scatter (moecc_runtime.native._kv_write)"
-print("check_install: host attention kernel, sampler pass, dequantize, expert passes, the AMX expert, the fp32 expert layer and the AMX prompt attention, rope, rmsnorm and the KV scatter built into the wheel")
+print("check_install: host attention kernel, sampler pass, dequantize, expert passes, the AMX expert, the fp32 expert layer, the AMX and fp32 prompt attention, rope, rmsnorm and the KV scatter built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"
 "$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt
