@@ -60,9 +60,10 @@ P32_INLINE __mmask16 sees(int64_t j, int64_t r0, int c) {
     return first <= 0 ? (__mmask16)0xffff : first >= 16 ? (__mmask16)0 : (__mmask16)(0xffffu << first);
 }
 
-/* 1. qt[d][r] = q[r0 + r, g, d] for the block's rows (zero past the prompt's `rows`). */
+/* 1. qt[d][r] = q[r0 + r, g, d] for the block's rows (zero past the prompt's `rows`: a prompt's
+ * last block only). */
 P32_INLINE void transpose_q(const float *q, int64_t ldq, int64_t rows, int64_t D, float *qt) {
-    memset(qt, 0, (size_t)(D * RB) * sizeof(float));
+    if (rows < RB) memset(qt, 0, (size_t)(D * RB) * sizeof(float));
     for (int64_t r = 0; r < rows; r++)
         for (int64_t d = 0; d < D; d++) qt[d * RB + r] = q[r * ldq + d];
 }

@@ -6,9 +6,9 @@ scores transposed so its products are register tiles of FMAs and its softmax run
 rows' lanes (bench/results/README.md, thirteenth pass, has the figures: `python
 bench/attention.py --prompts 300,450,600 --seqs 16 --dtypes float32`).
 
-Its bits are not SDPA's (one pass over a block's keys, its own exp: fp32 rounding apart), so, as
-with the AMX kernel, the runtime takes it for prompts of at least host_attention's
-AMX_PROMPT_ROWS rows.
+Its bits are not SDPA's (one pass over a block's keys, its own exp), but they part only by fp32
+rounding, so the runtime takes it for every fresh prompt (host_attention.FP32_PROMPT_ROWS), where
+the bf16 AMX kernel, whose rounding shows, waits for AMX_PROMPT_ROWS rows.
 
 `attend` returns False, having done nothing, where it does not apply: not built, no AVX-512 here
 (or MOECC_NO_NATIVE / MOECC_PROMPT_FP32=0), not fp32, head dims not multiples of 16, query heads
