@@ -1,0 +1,123 @@
+"""Two builds of a fused expert kernel on the same layer, in one run: a step's routed experts over
+--layers layers of distinct weights (so they stream from memory as in a job), the build under
+test (this tree's) against another build of the same extension (--old: a .so built from an
+earlier commit), alternated call for call so this machine's drift hits both alike. Every output
+is checked bit-equal before anything is timed; a change that moves a bit is refused.
+
+    git worktree add /tmp/moecc-old REV && (cd /tmp/moecc-old && python setup.py build_ext --inplace)
+    python bench/kernel_ab.py --kernel amx --old /tmp/moecc-old/runtime/native/_expert_amx*.so \
+        [--tokens 96,512,2048,8192] [--json PATH]
+
+--kernel amx: bf16, one AMX call per layer (native/expert_amx.py); fp32: one AVX-512 call per layer
+(native/expert_fp32.py). Shapes are bench768's experts (hidden 768, intermediate 1,152, 8 experts
+top-2) unless --hidden/--inter say otherwise. Prints ms a layer and the ratio old / new (above 1:
+the tree's build is faster), medians of --repeats, and writes JSON (--json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import platform
+import time
+from pathlib import Path
+from statistics import median
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from moecc_runtime.memory.packed_weights import PackedLinear
+from moecc_runtime.native import expert_amx, expert_fp32, threads
+
+KERNELS = {"amx": (expert_amx, "_expert_amx", torch.bfloat16), "fp32": (expert_fp32, "_expert_fp32", torch.float32)}
+E, K = 8, 2
+
+
+def load_build(path: Path, name: str) -> ModuleType:
+    """Extension `name` imported from the file at `path`, on torch's OpenMP team (as the runtime runs it)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"kernel_ab: {path} is not an extension module")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    threads.hand_over(ctypes.CDLL(str(path)))
+    return mod
+
+
+def run_layers(wrapper: ModuleType, mod: ModuleType, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
+               banks: list[list[tuple[Any, ...]]]) -> list[torch.Tensor]:
+    """Every layer's experts through build `mod` (wrapper's `layer`): each layer's output [T, H]."""
+    wrapper._module = lambda: mod  # the wrapper's checks and scratch, this build's call
+    counts = torch.bincount(top_i.flatten(), minlength=E).tolist()
+    outs = []
+    for bank in banks:
+        out = torch.zeros_like(x)
+        if not wrapper.layer(x, top_w, top_i, counts, dict(enumerate(bank)), out):
+            raise SystemExit("kernel_ab: the kernel declined the layer (not built for this CPU?)")
+        outs.append(out)
+    return outs
+
+
+def compare(kernel: str, old: Path, tokens: list[int], layers: int, H: int, I: int, repeats: int) -> list[dict[str, Any]]:
+    """Per token count: ms a layer of the old build and of this tree's, and their ratio."""
+    wrapper, name, dtype = KERNELS[kernel]
+    built = wrapper._module()
+    if built is None:
+        raise SystemExit(f"kernel_ab: this tree's {name} does not run here")
+    new_path = Path(built.__file__)
+    builds = {"old": load_build(old, name), "new": load_build(new_path, name)}
+    own = wrapper._module  # put back after (run_layers points the wrapper at one build)
+    g = torch.Generator().manual_seed(1)
+    banks = [[(PackedLinear((torch.randn(2 * I, H, generator=g) * 0.02).to(dtype), 4096, split=I, sections=(I, I)),
+               None, PackedLinear((torch.randn(H, I, generator=g) * 0.02).to(dtype), 4096)) for _ in range(E)]
+             for _ in range(layers)]
+    rows = []
+    try:
+        for T in tokens:
+            x = torch.randn(T, H, generator=g).to(dtype)  # [T, H]
+            top_w, top_i = torch.topk(torch.randn(T, E, generator=g).softmax(-1), K)  # [T, k]
+            outs = {k: run_layers(wrapper, m, x, top_w, top_i, banks) for k, m in builds.items()}
+            if not all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"])):
+                raise SystemExit(f"kernel_ab: the two builds' outputs differ at {T} tokens: not the same bits")
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            for _ in range(repeats):
+                for k, m in builds.items():
+                    t0 = time.perf_counter()
+                    run_layers(wrapper, m, x, top_w, top_i, banks)
+                    times[k].append((time.perf_counter() - t0) / layers)
+            r = {"tokens": T, "old_ms": median(times["old"]) * 1e3, "new_ms": median(times["new"]) * 1e3}
+            r["old_over_new"] = r["old_ms"] / r["new_ms"]
+            rows.append(r)
+            print(f"{kernel} {T:6d} tokens: old {r['old_ms']:8.3f} ms a layer  new {r['new_ms']:8.3f}  "
+                  f"old/new {r['old_over_new']:.3f}  (same bits)", flush=True)
+    finally:
+        wrapper._module = own
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", choices=sorted(KERNELS), required=True)
+    ap.add_argument("--old", type=Path, required=True, help="the other build of the kernel's extension (.so)")
+    ap.add_argument("--tokens", default="96,512,2048,8192", help="a step's tokens (8 experts top-2)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--inter", type=int, default=1152)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--json", type=Path, default=Path("bench/out/kernel_ab.json"))
+    args = ap.parse_args(argv)
+    rows = compare(args.kernel, args.old, [int(t) for t in args.tokens.split(",")], args.layers, args.hidden,
+                   args.inter, args.repeats)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"kernel": args.kernel, "old": str(args.old), "machine": platform.processor(),
+                                     "torch_threads": torch.get_num_threads(), "layers": args.layers,
+                                     "hidden": args.hidden, "inter": args.inter, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
