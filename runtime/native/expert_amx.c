@@ -34,8 +34,9 @@
  * never fill. A slice's epilogue (silu times up into h; the weighted down rows into out) waits for
  * the next slice and runs a few rows at each of its K steps, AVX-512 beside the tile products
  * (each thread keeps two C buffers for that); the down epilogue asks for the out line of the row
- * OUT_AHEAD rows on before it adds into one. Linux x86-64 with GCC 11 / Clang 12 or newer only (the AMX target, arch_prctl's
- * permission); elsewhere `moecc_expert_amx` returns 2 and the caller runs torch's path.
+ * OUT_AHEAD rows on before it adds into one. Linux x86-64 with GCC 11 / Clang 12 or newer only (the
+ * AMX target, arch_prctl's permission); elsewhere `moecc_expert_amx` returns 2 and the caller runs
+ * torch's path.
  */
 #define _GNU_SOURCE
 #include <stdint.h>

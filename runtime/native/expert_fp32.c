@@ -26,8 +26,9 @@
  * whole from L2 for each group of rows after the first (1.05-1.08x over reading gate's and up's
  * half blocks side by side), and asks for the next block's weights a few lines at each input
  * step; a down block's group asks for the next group's out lines before its products (out's rows
- * are the routed tokens', scattered: 1.01-1.03x a layer at 2,048-8,192 tokens). Linux/x86-64 with GCC 7 / Clang 6 or newer (the AVX-512 target attribute); elsewhere, or
- * on a CPU without AVX-512, the call returns 2 and the caller runs torch's path.
+ * are the routed tokens', scattered: 1.00-1.04x a layer at 2,048-8,192 tokens). Linux/x86-64 with
+ * GCC 7 / Clang 6 or newer (the AVX-512 target attribute); elsewhere, or on a CPU without AVX-512,
+ * the call returns 2 and the caller runs torch's path.
  */
 #include <stdint.h>
 #include <Python.h>
