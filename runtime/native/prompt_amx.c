@@ -260,11 +260,8 @@ int moecc_prompt_amx(const uint16_t *q, int64_t t, int64_t ldq, const uint16_t *
                      uint16_t *out, int64_t ldo, int nthreads) {
 #ifdef HAVE_AMX
     if (!amx_ready()) return 2;
-    if (ns < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || D % 16 || Dv % 16 || D < 16 || Dv < 16 || ldq < Hq * D ||
-        ldk < Hkv * D || ldv < Hkv * Dv || ldo < Hq * Dv)
-        return 1;
-    int64_t maxn;
-    if (!spans_ok(spans, ns, t, &maxn)) return 1;
+    int64_t maxn;  /* unused here: the tiles' scratch is per block */
+    if (!prompt_args_ok(spans, ns, t, Hq, Hkv, D, Dv, ldq, ldk, ldv, ldo, &maxn)) return 1;
     const int nth = nthreads < 1 ? 1 : nthreads;
     int64_t per = Hq / Hkv;  /* a KV head's query heads an item (one lay-out of its tiles); while too few */
     while (per > 1 && ns * Hq / per < 4 * nth) {  /* items to share among the threads, the next divisor down */

@@ -212,11 +212,8 @@ int moecc_prompt_fp32(const float *q, int64_t t, int64_t ldq, const float *k, in
                       float *out, int64_t ldo, int nthreads) {
 #ifdef HAVE_PROMPT_FP32
     if (!moecc_prompt_fp32_ready()) return 2;
-    if (ns < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || D % 16 || Dv % 16 || D < 16 || Dv < 16 || ldq < Hq * D ||
-        ldk < Hkv * D || ldv < Hkv * Dv || ldo < Hq * Dv || !(scale > 0.0f))
-        return 1;
     int64_t maxn;
-    if (!spans_ok(spans, ns, t, &maxn)) return 1;
+    if (!(scale > 0.0f) || !prompt_args_ok(spans, ns, t, Hq, Hkv, D, Dv, ldq, ldk, ldv, ldo, &maxn)) return 1;
     const int64_t nitems = ns * Hq;
     int64_t *items = longest_first(spans, ns, Hq);
     if (!items) return 3;

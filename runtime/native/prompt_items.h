@@ -20,6 +20,17 @@ static inline int spans_ok(const int64_t *spans, int64_t ns, int64_t t, int64_t 
     return 1;
 }
 
+/* 1 when both prompt kernels take these sizes and spans: ns >= 1 prompts, Hq a multiple of Hkv,
+ * head dims multiples of 16, rows at least as wide as their heads, spans as spans_ok (*maxn: the
+ * most rows); else 0 (the caller returns 1, nothing written). */
+static inline int prompt_args_ok(const int64_t *spans, int64_t ns, int64_t t, int64_t Hq, int64_t Hkv, int64_t D,
+                                 int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv, int64_t ldo, int64_t *maxn) {
+    if (ns < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || D % 16 || Dv % 16 || D < 16 || Dv < 16 || ldq < Hq * D ||
+        ldk < Hkv * D || ldv < Hkv * Dv || ldo < Hq * Dv)
+        return 0;
+    return spans_ok(spans, ns, t, maxn);
+}
+
 /* qsort_r's order of items s * m + c (arg: an Order): longer prompts first, then by s and c, so a
  * thread's consecutive items share a prompt and the last items are the shortest. */
 typedef struct { const int64_t *spans; int64_t m; } Order;
