@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import pytest
 from moecc_runtime.native import prompt_amx
 from moecc_runtime.worker import host_attention
-from tests.runtime.worker.prompt_cases import case, sdpa
+from tests.runtime.worker.prompt_cases import assert_as_close_as_sdpa, case
 
 needs_amx = pytest.mark.skipif(not prompt_amx.available(), reason="the AMX prompt kernel does not run here")
 
@@ -32,14 +32,7 @@ def test_attention_is_as_close_to_exact_as_bf16_sdpa(lengths, heads, dims, gap, 
     q, k, v, spans = _bf16(lengths, Hq, Hkv, D, Dv, seed, gap)
     out = torch.full((q.shape[0], Hq, Dv), 3.0, dtype=torch.bfloat16)
     assert prompt_amx.attend(q, k, v, spans, D ** -0.5, out)
-    owned = torch.zeros(q.shape[0], dtype=torch.bool)
-    for lo, hi in spans:
-        owned[lo:hi] = True
-        exact = sdpa(q, k, v, lo, hi, torch.float64)
-        sdpa_err = (sdpa(q, k, v, lo, hi, torch.bfloat16).double() - exact).abs().max().item()
-        err = (out[lo:hi].double() - exact).abs().max().item()
-        assert err <= 1.5 * sdpa_err + 2e-3, (lo, hi, err, sdpa_err)
-    assert torch.all(out[~owned] == 3.0)  # rows of no prompt: untouched
+    assert_as_close_as_sdpa(q, k, v, spans, out, torch.bfloat16, factor=1.5, slack=2e-3, untouched=3.0)
 
 
 @needs_amx
