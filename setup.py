@@ -33,7 +33,8 @@ def native(name: str, contract: str = "fast") -> Extension:
         sources=[f"{RUNTIME_DIR}/native/{name.lstrip('_')}.c"],
         depends=[f"{RUNTIME_DIR}/native/{h}"
                  for h in ("vec8.h", "vec16.h", "cpu.h", "attend_isa.h", "attend_lanes16.h", "dequant_wide.h", "bf16.h",
-                           "bf16_lanes.h", "row_items.h", "py_args.h", "amx.h", "expert_slots.h", "exp16.h", "prompt_items.h")],
+                           "bf16_lanes.h", "row_items.h", "py_args.h", "amx.h", "amx_gemm.h", "expert_slots.h", "exp16.h",
+                           "prompt_items.h")],
         extra_compile_args=["-O3", "-std=c11", f"-ffp-contract={contract}"] if sys.platform != "win32" else ["/O2"],
         libraries=["m"] if sys.platform != "win32" else [],
         optional=True,

@@ -23,9 +23,9 @@
  * `moecc_expert_amx_layer` runs a whole layer's experts in one call: the routed (token, expert)
  * slots sorted by expert (a counting sort), then each expert's rows as above, in expert order.
  *
- * Work: three parallel passes on torch's OpenMP team (cpu.h): the gather by rows (row_items.h);
- * gate/up by units of nb outputs of each half, down by units of nb outputs, each thread a
- * contiguous run of units.
+ * Work: three parallel passes on torch's OpenMP team (cpu.h), on amx_gemm.h's tile machinery: the
+ * gather by rows (row_items.h); gate/up by units of nb outputs of each half, down by units of nb
+ * outputs, each thread a contiguous run of units.
  * A unit's inputs run in blocks of KBLK steps over all row tiles (its weight tiles for a block
  * are read from memory once, from L1 for the other row tiles); gate/up takes 32 outputs of a half
  * at a time, both 64-byte halves of the packed 128-byte rows, so the weights stream as whole
@@ -45,6 +45,7 @@
 #include <Python.h>
 
 #include "amx.h"
+#include "amx_gemm.h"
 #include "bf16.h"
 #include "cpu.h"
 #include "py_args.h"
@@ -72,117 +73,19 @@ static int next_run(Job *j, int64_t items, int64_t *lo, int64_t *hi) {
     return take_run(&j->next, j->nth, items, lo, hi);
 }
 
-/* Element offset of (row r, column c) in a [rows, K] matrix stored as tiles (packed_at's
- * layout: [r / 16][c / 32][r % 16][c % 32], each A tile one contiguous kilobyte). */
-static inline int64_t packed_at(int64_t r, int64_t c, int64_t K) {
-    return ((r / 16) * (K / 32) + c / 32) * 512 + (r % 16) * 32 + c % 32;
-}
-
-/* The gather: rows [r0, r1) of a (x's rows tok[r], then zero rows up to Mp), as tiles (each
- * row's 64-byte pieces a tile row apart), on row_items.h's threads. */
+/* The gather: rows [r0, r1) of a (x's rows tok[r], then zero rows up to Mp), as tiles
+ * (amx_gemm.h's pack_row), on row_items.h's threads. */
 #define GATHER_BODY                                                                   \
     const Job *j = (const Job *)job;                                                  \
-    for (int64_t r = r0; r < r1; r++) {                                               \
-        uint16_t *dst = j->a + packed_at(r, 0, j->H);                                 \
-        const uint16_t *src = r < j->n ? j->x + j->tok[r] * j->ldx : NULL;           \
-        for (int64_t c = 0; c < j->H; c += 32, dst += 512)                            \
-            if (src) memcpy(dst, src + c, 64);                                        \
-            else memset(dst, 0, 64);                                                  \
-    }
+    for (int64_t r = r0; r < r1; r++)                                                 \
+        pack_row(j->a, r, j->H, r < j->n ? j->x + j->tok[r] * j->ldx : NULL);
 
 ROW_ITEMS_BUILDS(GATHER_BODY)
-
-/* Element offset of the tile (outputs o0..o0+15, inputs 32*kb..) in a weight packed AB16b{nb}a2b
- * of K inputs; its rows are nb*2 elements apart, and each block of nb outputs is one run of
- * K*nb elements. */
-static inline int64_t tile_at(int64_t o0, int64_t kb, int64_t K, int nb) {
-    return ((o0 / nb) * (K / 16) + kb * 2) * 16 * nb + (o0 % nb) * 2;
-}
-
-/* Paced prefetch of the next unit's weight blocks (up to two contiguous runs of lines), asked
- * for `per` lines at each K step so the line fill buffers never fill. */
-typedef struct { const char *p[2]; int64_t left[2], per; } Pf;
-
-static inline void pf_step(Pf *f) {
-    int64_t q = f->per;
-    for (int i = 0; i < 2 && q > 0; i++)
-        for (; q > 0 && f->left[i] > 0; q--, f->left[i]--, f->p[i] += 64) _mm_prefetch(f->p[i], _MM_HINT_T1);
-}
-
-/* The prefetch of blocks r0 and r1 (element offsets; r1 < 0: one run) of `bytes` each over
- * `steps` K steps; nothing when `none`. */
-static inline Pf pf_blocks(const uint16_t *w, int64_t r0, int64_t r1, int64_t bytes, int64_t steps, int none) {
-    Pf f = {{(const char *)(w + r0), (const char *)(w + (r1 < 0 ? 0 : r1))}, {bytes / 64, r1 < 0 ? 0 : bytes / 64}, 0};
-    f.per = (f.left[0] + f.left[1] + steps - 1) / steps;
-    if (none) f.left[0] = f.left[1] = 0;
-    return f;
-}
-
-/* A slice's epilogue (its rows' C to h, or to out), left pending while the next slice's tiles run
- * and done a few rows at each of that slice's K steps: its AVX-512 work then runs beside the tile
- * products instead of after them. `rows` does rows [r, upto); `per` rows a step. */
-typedef struct Epi {
-    void (*rows)(struct Epi *e, int64_t upto);
-    const Job *j;
-    const float (*c0)[2][256], (*c1)[2][256];  /* gate and up (gate_up), the down result (down) */
-    int64_t col, r, n, per;                    /* the slice's first column; next row, rows */
-} Epi;
-
-static inline void epi_step(Epi *e) {
-    if (e->r < e->n) e->rows(e, e->r + e->per < e->n ? e->r + e->per : e->n);
-}
-
-static inline void epi_finish(Epi *e) {
-    if (e->r < e->n) e->rows(e, e->n);
-}
 
 #ifndef OUT_AHEAD
 #define OUT_AHEAD 16  /* rows the down epilogue asks for out's line ahead of adding into it (bf16 out of a
                        * prefill step, 12 MB at 8,192 tokens, misses cache: 1.04-1.11x a layer there) */
 #endif
-
-#ifndef KBLK
-#define KBLK 8  /* input steps (of 32) per pass over the row tiles: B's tiles for them stay in L1 */
-#endif
-
-/* cb[m][t] (16 x 16 fp32 each) = A's row tile m x B's column tile t (b0, b1), for every row tile
- * m < MT, over KB steps of 32 inputs: A as tiles (packed_at: a tile a contiguous kilobyte, which
- * loads from L2 at twice the rate of 16 rows of a row-major matrix); B tiles bstep elements apart
- * by step, rows bstride bytes apart. Row tiles two at a time (C in tiles 0-3), the inputs in blocks
- * of KBLK steps (the partial sums through cb between blocks), so a block's B tiles are read from
- * memory once and from L1 by the other row tiles. */
-AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t MT, const uint16_t *b0, const uint16_t *b1,
-                                   int64_t bstep, int64_t bstride, int64_t KB, Pf *pf, Epi *epi, float (*cb)[2][256]) {
-    for (int64_t k0 = 0; k0 < KB; k0 += KBLK) {
-        const int64_t k1 = k0 + KBLK < KB ? k0 + KBLK : KB;
-        for (int64_t m = 0; m < MT; m += 2) {
-            const int two = m + 1 < MT;
-            if (k0 == 0) {
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            } else {
-                _tile_loadd(0, cb[m][0], 64); _tile_loadd(1, cb[m][1], 64);
-                if (two) { _tile_loadd(2, cb[m + 1][0], 64); _tile_loadd(3, cb[m + 1][1], 64); }
-            }
-            const uint16_t *a0 = a + m * KB * 512;  /* row tile m's first tile */
-            for (int64_t kb = k0; kb < k1; kb++) {
-                pf_step(pf);
-                epi_step(epi);
-                _tile_loadd(4, a0 + kb * 512, 64);
-                _tile_loadd(6, b0 + kb * bstep, bstride);
-                _tile_loadd(7, b1 + kb * bstep, bstride);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, a0 + (KB + kb) * 512, 64);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            _tile_stored(0, cb[m][0], 64); _tile_stored(1, cb[m][1], 64);
-            if (two) { _tile_stored(2, cb[m + 1][0], 64); _tile_stored(3, cb[m + 1][1], 64); }
-        }
-    }
-}
 
 /* h row = silu(bf16(g)) * bf16(u), rounded: expert_rows.c's silu_mul on 16 columns. */
 AMX_TARGET static inline void silu_mul16(uint16_t *h, const float *g, const float *u, const float *lut) {
@@ -201,21 +104,23 @@ AMX_TARGET static inline void scale_add16(uint16_t *o, const float *c, __m512 w)
  * gate times up; every row of the Mp, pad rows included, so h's pad rows are written), or each
  * routed row's weighted down result added into out[tok[r]]. */
 AMX_TARGET static void silu_rows(Epi *e, int64_t upto) {
+    const Job *j = (const Job *)e->j;
     for (; e->r < upto; e->r++) {
         const int64_t m = e->r / 16, r = e->r % 16;
-        uint16_t *hr = e->j->h + packed_at(e->r, e->col, e->j->I);  /* 32 columns, one tile row */
-        silu_mul16(hr, e->c0[m][0] + r * 16, e->c1[m][0] + r * 16, e->j->lut);
-        silu_mul16(hr + 16, e->c0[m][1] + r * 16, e->c1[m][1] + r * 16, e->j->lut);
+        uint16_t *hr = j->h + packed_at(e->r, e->col, j->I);  /* 32 columns, one tile row */
+        silu_mul16(hr, e->c0[m][0] + r * 16, e->c1[m][0] + r * 16, j->lut);
+        silu_mul16(hr + 16, e->c0[m][1] + r * 16, e->c1[m][1] + r * 16, j->lut);
     }
 }
 
 AMX_TARGET static void down_rows(Epi *e, int64_t upto) {
+    const Job *j = (const Job *)e->j;
     for (; e->r < upto; e->r++) {
         const int64_t m = e->r / 16, r = e->r % 16, ahead = e->r + OUT_AHEAD;
         if (ahead < e->n)  /* out's rows are the routed tokens' own, scattered: asked for ahead */
-            _mm_prefetch((const char *)(e->j->out + e->j->tok[ahead] * e->j->ldo + e->col), _MM_HINT_T0);
-        const __m512 w = _mm512_set1_ps(e->j->tw[e->r]);
-        uint16_t *o = e->j->out + e->j->tok[e->r] * e->j->ldo + e->col;
+            _mm_prefetch((const char *)(j->out + j->tok[ahead] * j->ldo + e->col), _MM_HINT_T0);
+        const __m512 w = _mm512_set1_ps(j->tw[e->r]);
+        uint16_t *o = j->out + j->tok[e->r] * j->ldo + e->col;
         scale_add16(o, e->c0[m][0] + r * 16, w);
         scale_add16(o + 16, e->c0[m][1] + r * 16, w);
     }

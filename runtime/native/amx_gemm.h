@@ -1,0 +1,120 @@
+/* The AMX tile machinery the bf16 GEMM kernels share (expert_amx.c: a routed expert's MLP;
+ * linear_amx.c: a dense projection): rows as tiles (packed_at, pack_row), oneDNN's packed weight
+ * tiles (tile_at), the paced prefetch of a weight stream (Pf), a slice's pending epilogue (Epi)
+ * and the tile loop over a slice of 32 outputs for every row tile (slice_tiles). Include after
+ * amx.h, inside HAVE_AMX. Header-only, all static.
+ *
+ * Legend: K inputs, nb the packed weight's output block (32 or 64), MT row tiles of 16, KB = K / 32
+ * input steps. */
+#ifndef MOECC_AMX_GEMM_H
+#define MOECC_AMX_GEMM_H
+
+#include <stdint.h>
+#include <string.h>
+
+#ifdef HAVE_AMX
+/* Element offset of (row r, column c) in a [rows, K] matrix stored as tiles (packed_at's
+ * layout: [r / 16][c / 32][r % 16][c % 32], each A tile one contiguous kilobyte). */
+static inline int64_t packed_at(int64_t r, int64_t c, int64_t K) {
+    return ((r / 16) * (K / 32) + c / 32) * 512 + (r % 16) * 32 + c % 32;
+}
+
+/* Row r of a [rows, K] matrix as tiles (packed_at): src's K elements (NULL: a zero row), each
+ * 64-byte piece a tile row apart. */
+static inline void pack_row(uint16_t *a, int64_t r, int64_t K, const uint16_t *src) {
+    uint16_t *dst = a + packed_at(r, 0, K);
+    for (int64_t c = 0; c < K; c += 32, dst += 512)
+        if (src) memcpy(dst, src + c, 64);
+        else memset(dst, 0, 64);
+}
+
+/* Element offset of the tile (outputs o0..o0+15, inputs 32*kb..) in a weight packed AB16b{nb}a2b
+ * of K inputs; its rows are nb*2 elements apart, and each block of nb outputs is one run of
+ * K*nb elements. */
+static inline int64_t tile_at(int64_t o0, int64_t kb, int64_t K, int nb) {
+    return ((o0 / nb) * (K / 16) + kb * 2) * 16 * nb + (o0 % nb) * 2;
+}
+
+/* Paced prefetch of the next unit's weight blocks (up to two contiguous runs of lines), asked
+ * for `per` lines at each K step so the line fill buffers never fill. */
+typedef struct { const char *p[2]; int64_t left[2], per; } Pf;
+
+static inline void pf_step(Pf *f) {
+    int64_t q = f->per;
+    for (int i = 0; i < 2 && q > 0; i++)
+        for (; q > 0 && f->left[i] > 0; q--, f->left[i]--, f->p[i] += 64) _mm_prefetch(f->p[i], _MM_HINT_T1);
+}
+
+/* The prefetch of blocks r0 and r1 (element offsets; r1 < 0: one run) of `bytes` each over
+ * `steps` K steps; nothing when `none`. */
+static inline Pf pf_blocks(const uint16_t *w, int64_t r0, int64_t r1, int64_t bytes, int64_t steps, int none) {
+    Pf f = {{(const char *)(w + r0), (const char *)(w + (r1 < 0 ? 0 : r1))}, {bytes / 64, r1 < 0 ? 0 : bytes / 64}, 0};
+    f.per = (f.left[0] + f.left[1] + steps - 1) / steps;
+    if (none) f.left[0] = f.left[1] = 0;
+    return f;
+}
+
+/* A slice's epilogue (its rows' C to the kernel's output: h, out or y), left pending while the next slice's tiles run
+ * and done a few rows at each of that slice's K steps: its AVX-512 work then runs beside the tile
+ * products instead of after them. `rows` does rows [r, upto); `per` rows a step. */
+typedef struct Epi {
+    void (*rows)(struct Epi *e, int64_t upto);
+    const void *j;                             /* the kernel's job */
+    const float (*c0)[2][256], (*c1)[2][256];  /* gate and up (expert gate_up), else the result in c0 */
+    int64_t col, r, n, per;                    /* the slice's first column; next row, rows */
+} Epi;
+
+static inline void epi_step(Epi *e) {
+    if (e->r < e->n) e->rows(e, e->r + e->per < e->n ? e->r + e->per : e->n);
+}
+
+static inline void epi_finish(Epi *e) {
+    if (e->r < e->n) e->rows(e, e->n);
+}
+
+#ifndef KBLK
+#define KBLK 8  /* input steps (of 32) per pass over the row tiles: B's tiles for them stay in L1 */
+#endif
+
+/* cb[m][t] (16 x 16 fp32 each) = A's row tile m x B's column tile t (b0, b1), for every row tile
+ * m < MT, over KB steps of 32 inputs: A as tiles (packed_at: a tile a contiguous kilobyte, which
+ * loads from L2 at twice the rate of 16 rows of a row-major matrix); B tiles bstep elements apart
+ * by step, rows bstride bytes apart. Row tiles two at a time (C in tiles 0-3), the inputs in blocks
+ * of KBLK steps (the partial sums through cb between blocks), so a block's B tiles are read from
+ * memory once and from L1 by the other row tiles. */
+AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t MT, const uint16_t *b0, const uint16_t *b1,
+                                   int64_t bstep, int64_t bstride, int64_t KB, Pf *pf, Epi *epi, float (*cb)[2][256]) {
+    for (int64_t k0 = 0; k0 < KB; k0 += KBLK) {
+        const int64_t k1 = k0 + KBLK < KB ? k0 + KBLK : KB;
+        for (int64_t m = 0; m < MT; m += 2) {
+            const int two = m + 1 < MT;
+            if (k0 == 0) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            } else {
+                _tile_loadd(0, cb[m][0], 64); _tile_loadd(1, cb[m][1], 64);
+                if (two) { _tile_loadd(2, cb[m + 1][0], 64); _tile_loadd(3, cb[m + 1][1], 64); }
+            }
+            const uint16_t *a0 = a + m * KB * 512;  /* row tile m's first tile */
+            for (int64_t kb = k0; kb < k1; kb++) {
+                pf_step(pf);
+                epi_step(epi);
+                _tile_loadd(4, a0 + kb * 512, 64);
+                _tile_loadd(6, b0 + kb * bstep, bstride);
+                _tile_loadd(7, b1 + kb * bstep, bstride);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) {
+                    _tile_loadd(5, a0 + (KB + kb) * 512, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, cb[m][0], 64); _tile_stored(1, cb[m][1], 64);
+            if (two) { _tile_stored(2, cb[m + 1][0], 64); _tile_stored(3, cb[m + 1][1], 64); }
+        }
+    }
+}
+
+#endif /* HAVE_AMX */
+
+#endif
