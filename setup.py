@@ -43,9 +43,10 @@ def native(name: str, contract: str = "fast") -> Extension:
 
 # runtime/native/dequant.c: the formats' host dequantize; expert_rows.c: the element-wise passes
 # around an expert's GEMMs; rope.c: rotary embedding; rmsnorm.c: the norm; kv_write.c: a step's K/V
-# rows scattered into the paged pool; expert_amx.c: a routed
-# expert's whole MLP on AMX tiles (its target attribute needs GCC 11 / Clang 12; older compilers
-# build a stub that declines); expert_fp32.c: a layer's routed experts in fp32 on AVX-512;
+# rows scattered into the paged pool; expert_amx.c: a routed expert's whole MLP on AMX tiles (its
+# target attribute needs GCC 11 / Clang 12; older compilers build a stub that declines);
+# linear_amx.c: a dense bf16 projection on the same tiles; expert_fp32.c: a layer's routed
+# experts in fp32 on AVX-512;
 # prompt_amx.c / prompt_fp32.c: fresh prompts' causal attention on AMX tiles (bf16) / AVX-512 (fp32). Those
 # built with contract="off" have no fused multiply-adds outside their products: they round as
 # torch's passes do.
@@ -54,4 +55,5 @@ setup(packages=packages, package_dir={RUNTIME_NAME: RUNTIME_DIR},
                    native("_dequant"), native("_expert_rows", contract="off"),
                    native("_rope", contract="off"), native("_rmsnorm", contract="off"),
                    native("_expert_amx", contract="off"), native("_expert_fp32", contract="off"),
-                   native("_prompt_amx"), native("_prompt_fp32", contract="off"), native("_kv_write")])
+                   native("_prompt_amx"), native("_prompt_fp32", contract="off"), native("_kv_write"),
+                   native("_linear_amx", contract="off")])

@@ -40,6 +40,7 @@ from moecc_runtime.contract.plan_types import Op, PlanView
 from moecc_runtime.memory.pinned import available_bytes
 from moecc_runtime.memory.streaming import InPlaceWeights
 from moecc_runtime.memory.weights import WeightStore
+from moecc_runtime.native import linear_amx
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _ATTENTION_GEMMS = ("q", "k", "v", "o", "q_a", "q_b", "kv_a")  # read only by kernels.linear
@@ -66,7 +67,9 @@ def bucket_rows(m: int) -> int:
 
 
 class PackedLinear:
-    """A dense [out, in] weight in oneDNN's blocked layout; `self(x, bias)` = F.linear(x, w, bias).
+    """A dense [out, in] weight in oneDNN's blocked layout; `self(x, bias)` = F.linear(x, w, bias),
+    in bf16 without a bias on the AMX projection kernel where it runs (native/linear_amx.py, over
+    these bytes), else oneDNN's GEMM.
     A stacked weight (gate and up, or q, k and v, one after another by rows) has `sections`,
     the row counts of its parts, and `split`, where the first ends (gate rows [0, split));
     both None otherwise."""
@@ -85,6 +88,10 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] -> [..., out]; rows padded with zeros up to `bucket_rows` (see there)
+        if bias is None and self.dtype == torch.bfloat16:
+            y = linear_amx.linear(x, self)  # AMX tiles over these bytes where they run (None: not here)
+            if y is not None:
+                return y
         m = x.numel() // self.in_features if self.in_features else 0
         if bucket_rows(m) == m:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
