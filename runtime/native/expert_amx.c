@@ -211,6 +211,45 @@ static void run_expert(Job *j) {
     run_threads(down, j, j->nth, j->nth);
 }
 
+/* An expert's rows split between the threads (more rows than MAX_ROWS): chunks of about equal
+ * size, a multiple of the threads in number, each run whole by one thread (gather, gate/up, down,
+ * run_expert on that thread alone) in its own scratch (thread t: a and h from row t * MAX_ROWS),
+ * so a chunk's rows and h stay in its core's L2 and the threads meet once an expert instead of
+ * three times a chunk. An expert's rows are distinct tokens: no two chunks add into one row of
+ * out, and each row's bits are those of a run of MAX_ROWS (rows do not meet in the sums). */
+typedef struct { Job base; int64_t rows, next, taken; } Split;
+
+static void *split_rows(void *arg) {
+    Split *s = (Split *)arg;
+    const int64_t t = __atomic_fetch_add(&s->taken, 1, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t r0 = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED) * s->rows;
+        if (r0 >= s->base.n) break;
+        Job j = s->base;
+        j.tok += r0, j.tw += r0, j.n = s->base.n - r0 < s->rows ? s->base.n - r0 : s->rows;
+        j.mp = (j.n + 15) / 16 * 16, j.a += t * MAX_ROWS * j.H, j.h += t * MAX_ROWS * j.I, j.nth = 1, j.next = 0;
+        run_expert(&j);
+    }
+    return NULL;
+}
+
+/* Expert rows [0, j->n) of any count: split between the threads past MAX_ROWS (Split), else
+ * one run. */
+static void run_expert_rows(Job *j) {
+    if (j->n <= MAX_ROWS || j->nth < 2) {
+        for (int64_t r = 0; r < j->n; r += MAX_ROWS) {
+            Job part = *j;
+            part.tok += r, part.tw += r, part.n = j->n - r < MAX_ROWS ? j->n - r : MAX_ROWS;
+            part.mp = (part.n + 15) / 16 * 16, part.next = 0;
+            run_expert(&part);
+        }
+        return;
+    }
+    const int64_t chunks = (j->n + MAX_ROWS * j->nth - 1) / (MAX_ROWS * j->nth) * j->nth;
+    Split s = {*j, (j->n + chunks - 1) / chunks, 0, 0};
+    run_threads(split_rows, &s, j->nth, j->nth);
+}
+
 /* 1: the sizes and layouts the kernel takes (shared by both entries). */
 static int takes(int64_t H, int64_t I, int nb_gu, int nb_dn, int64_t ldx, int64_t ldo) {
     return !(H % 32 || I % 32 || I % nb_gu || H % nb_dn || nb_gu % 32 || nb_dn % 32 || ldx < H || ldo < H);
@@ -238,10 +277,12 @@ int moecc_expert_amx(const uint16_t *x, int64_t ldx, const int64_t *tok, const f
 
 /* Every routed expert of a layer in one call: the T*k slots (top_i/top_w [T, k], int64 / fp32)
  * sorted by expert into tok/tw ([T*k] scratch; a counting sort, slots in order within an expert,
- * as a stable argsort orders them: expert_slots.h), then each expert in order, its rows in runs of MAX_ROWS, as
- * moecc_expert_amx runs them: the same bits as one call per run. gu/dn [E]: each expert's packed
- * weights (0 for one no slot names); `a`/`h` scratch for min(most rows of an expert, MAX_ROWS)
- * rows rounded up to 16. Returns 0, 1 (arguments it does not take, nothing written: an index
+ * as a stable argsort orders them: expert_slots.h), then each expert in order, its rows in runs of
+ * MAX_ROWS as moecc_expert_amx runs them, or past MAX_ROWS split between the threads
+ * (run_expert_rows): the same bits as one call per run. gu/dn [E]: each expert's packed weights
+ * (0 for one no slot names); `a`/`h` scratch for min(most rows of an expert, MAX_ROWS) rows rounded
+ * up to 16, or nthreads * MAX_ROWS rows where an expert has more than MAX_ROWS (expert_amx.py's
+ * `scratch_rows`). Returns 0, 1 (arguments it does not take, nothing written: an index
  * outside [0, E), a named expert without weights, sizes) or 2 (no AMX here). */
 int moecc_expert_amx_layer(const uint16_t *x, int64_t ldx, int64_t T, int64_t k, const int64_t *top_i,
                            const float *top_w, int64_t E, const int64_t *gu, const int64_t *dn, int64_t H, int64_t I,
@@ -252,13 +293,11 @@ int moecc_expert_amx_layer(const uint16_t *x, int64_t ldx, int64_t T, int64_t k,
     if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || !takes(H, I, nb_gu, nb_dn, ldx, ldo)) return 1;
     int64_t at[E];  /* at[e]: expert e's end among the sorted slots */
     if (sort_slots(T, k, top_i, top_w, E, gu, dn, at, tok, tw)) return 1;
-    for (int64_t e = 0, lo = 0; e < E; lo = at[e++])
-        for (int64_t r = lo; r < at[e]; r += MAX_ROWS) {
-            const int64_t n = at[e] - r < MAX_ROWS ? at[e] - r : MAX_ROWS;
-            Job j = {x, ldx, tok + r, tw + r, n, (n + 15) / 16 * 16, H, I, (const uint16_t *)(intptr_t)gu[e], nb_gu,
-                     (const uint16_t *)(intptr_t)dn[e], nb_dn, lut, a, h, out, ldo, nthreads < 1 ? 1 : nthreads, 0};
-            run_expert(&j);
-        }
+    for (int64_t e = 0, lo = 0; e < E; lo = at[e++]) {
+        Job j = {x, ldx, tok + lo, tw + lo, at[e] - lo, 0, H, I, (const uint16_t *)(intptr_t)gu[e], nb_gu,
+                 (const uint16_t *)(intptr_t)dn[e], nb_dn, lut, a, h, out, ldo, nthreads < 1 ? 1 : nthreads, 0};
+        run_expert_rows(&j);
+    }
     return 0;
 #else
     (void)x, (void)ldx, (void)T, (void)k, (void)top_i, (void)top_w, (void)E, (void)gu, (void)dn, (void)H, (void)I;

@@ -7,7 +7,8 @@ spend ~30% of the expert's time outside the GEMMs, which this call does not.
 
 `layer` runs a whole layer's routed experts in one call (the slots sorted by expert in C): the
 bits of `expert` called expert by expert, without Python between the experts (7-12% of a
-768-hidden layer of 8 experts at 24-512 rows an expert).
+768-hidden layer of 8 experts at 24-512 rows an expert); an expert of more rows than MAX_ROWS (a
+prefill step) has its rows split between the threads, each running whole runs of them alone.
 
 `expert` returns False, having done nothing, where it does not apply: not built, no AMX here
 (or MOECC_NO_NATIVE / MOECC_EXPERT_AMX=0), not bf16, a silu-gated expert whose weights are not
@@ -121,15 +122,25 @@ def layer(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, counts: lis
     if len(kinds) != 1 or next(iter(kinds))[1] != x.shape[1]:  # one layout and one shape for every expert
         return False
     ((nb_gu, nb_dn), H, inter), = kinds
-    rows = -(-min(max(counts), MAX_ROWS) // 16) * 16
-    a, h = x.new_empty((rows, H)), x.new_empty((rows, inter))  # [Mp, H], [Mp, I]: the kernel's scratch
+    threads = torch.get_num_threads()
+    rows = scratch_rows(max(counts), threads)
+    a, h = x.new_empty((rows, H)), x.new_empty((rows, inter))  # [rows, H], [rows, I]: the kernel's scratch
     tok, tw = torch.empty(T * k, dtype=torch.int64), torch.empty(T * k, dtype=torch.float32)  # [T*k] sorted slots
     ids, wts = top_i.to(torch.int64).contiguous(), top_w.to(torch.float32).contiguous()  # [T, k]
     at = torch.tensor(gu + dn, dtype=torch.int64)  # [2E]: gate_up's addresses, then down's
     rc = mod.layer(x.data_ptr(), x.stride(0), T, k, ids.data_ptr(), wts.data_ptr(), E, at.data_ptr(),
                    at.data_ptr() + 8 * E, H, inter, nb_gu, nb_dn, _silu_table().data_ptr(), tok.data_ptr(),
-                   tw.data_ptr(), a.data_ptr(), h.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
+                   tw.data_ptr(), a.data_ptr(), h.data_ptr(), out.data_ptr(), out.stride(0), threads)
     return rc == 0
+
+
+def scratch_rows(most: int, threads: int) -> int:
+    """Rows of `layer`'s scratch (a and h) when an expert has at most `most` rows: one run's
+    (MAX_ROWS at most, rounded up to 16), or one run's per thread where an expert has more rows
+    than a run (expert_amx.c splits those rows between the threads, each in its own MAX_ROWS)."""
+    if most > MAX_ROWS and threads > 1:
+        return MAX_ROWS * threads
+    return -(-min(most, MAX_ROWS) // 16) * 16
 
 
 def _weights(gate_up: Any, down: Any) -> tuple[int, int] | None:

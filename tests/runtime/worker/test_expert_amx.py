@@ -201,6 +201,34 @@ def test_layer_call_same_bits_as_one_call_an_expert(T: int, E: int, k: int, monk
     assert all(E - 1 not in used for used in fetched)
 
 
+@pytest.mark.parametrize("T,threads", [(1100, 2), (2300, 2), (1100, 1)])
+def test_layer_call_splits_an_experts_rows_between_threads_with_the_same_bits(T: int, threads: int) -> None:
+    """Past MAX_ROWS rows an expert, `layer` splits the expert's rows between the threads (chunks
+    of about equal size, each thread its own scratch): the bits of one call an expert, whatever
+    the thread count; `scratch_rows` sizes the scratch for it."""
+    E, H, I = 2, 64, 96
+    ws = [expert_weights(H, I, e) for e in range(E)]
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(BF16)  # [T, H]
+    top_w, top_i = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), 1)  # [T, 1]
+    counts = torch.bincount(top_i.flatten(), minlength=E).tolist()
+    assert max(counts) > expert_amx.MAX_ROWS
+    ref = torch.zeros_like(x)
+    for e in range(E):
+        tok = (top_i[:, 0] == e).nonzero()[:, 0]  # [n]: the expert's tokens, in order
+        assert expert_amx.expert(x, tok, top_w[tok, 0], ws[e][0], ws[e][2], ref)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.zeros_like(x)
+        assert expert_amx.layer(x, top_w, top_i, counts, dict(enumerate(ws)), out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    assert expert_amx.scratch_rows(max(counts), 2) == 2 * expert_amx.MAX_ROWS
+    assert expert_amx.scratch_rows(100, 2) == expert_amx.scratch_rows(100, 1) == 112
+
+
 def test_layer_call_declines_without_writing() -> None:
     """An index outside the layer's experts, or experts of two shapes: False, `out` untouched."""
     H, I, T = 64, 96, 20
