@@ -12,6 +12,15 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Rows of each chunk where `n` rows (more than a run of max_rows) are split between `nth`
+ * threads: chunks of about equal size, a multiple of the threads in number, none past max_rows.
+ * Each thread takes whole chunks and runs them alone, in its own max_rows of the scratch (so
+ * their callers size it nth * max_rows: amx_gemm.py's scratch_rows). */
+static inline int64_t chunk_rows(int64_t n, int nth, int64_t max_rows) {
+    const int64_t chunks = (n + max_rows * nth - 1) / (max_rows * nth) * nth;
+    return (n + chunks - 1) / chunks;
+}
+
 #ifdef HAVE_AMX
 /* Element offset of (row r, column c) in a [rows, K] matrix stored as tiles (packed_at's
  * layout: [r / 16][c / 32][r % 16][c % 32], each A tile one contiguous kilobyte). */

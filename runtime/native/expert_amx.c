@@ -211,9 +211,9 @@ static void run_expert(Job *j) {
     run_threads(down, j, j->nth, j->nth);
 }
 
-/* An expert's rows split between the threads (more rows than MAX_ROWS): chunks of about equal
- * size, a multiple of the threads in number, each run whole by one thread (gather, gate/up, down,
- * run_expert on that thread alone) in its own scratch (thread t: a and h from row t * MAX_ROWS),
+/* An expert's rows split between the threads (more rows than MAX_ROWS: amx_gemm.h's chunk_rows),
+ * each chunk run whole by one thread (gather, gate/up, down, run_expert on that thread alone) in
+ * its own scratch (thread t: a and h from row t * MAX_ROWS),
  * so a chunk's rows and h stay in its core's L2 and the threads meet once an expert instead of
  * three times a chunk. An expert's rows are distinct tokens: no two chunks add into one row of
  * out, and each row's bits are those of a run of MAX_ROWS (rows do not meet in the sums). */
@@ -245,8 +245,7 @@ static void run_expert_rows(Job *j) {
         }
         return;
     }
-    const int64_t chunks = (j->n + MAX_ROWS * j->nth - 1) / (MAX_ROWS * j->nth) * j->nth;
-    Split s = {*j, (j->n + chunks - 1) / chunks, 0, 0};
+    Split s = {*j, chunk_rows(j->n, j->nth, MAX_ROWS), 0, 0};
     run_threads(split_rows, &s, j->nth, j->nth);
 }
 

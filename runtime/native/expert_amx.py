@@ -20,17 +20,16 @@ threads (then the bits of a sum may differ in the last place).
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import torch
 
-from moecc_runtime.native import ready_extension
+from moecc_runtime.native import amx_gemm, ready_extension
+from moecc_runtime.native.amx_gemm import layout, scratch_rows
 from moecc_runtime.native.expert_rows import _silu_table
-from moecc_runtime.native.packed_layout import Offsets, matches, raw as _raw
+from moecc_runtime.native.packed_layout import raw as _raw
 
-MAX_ROWS = 512  #: rows per native call (expert_amx.c's MAX_ROWS); more run as several calls
-_NB = (32, 64)  #: output blocks of oneDNN's AB16b{NB}a2b bf16 layouts the kernel reads
+MAX_ROWS = amx_gemm.MAX_ROWS  #: rows per native call (expert_amx.c's MAX_ROWS); more run as several calls
 
 
 def _module() -> Any:
@@ -40,22 +39,6 @@ def _module() -> Any:
     if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
         return None
     return ready_extension("_expert_amx", "moecc_expert_amx", "MOECC_EXPERT_AMX")
-
-
-@lru_cache(maxsize=None)
-def layout(out_features: int, in_features: int, rows_hint: int) -> int | None:
-    """NB of the AB16b{NB}a2b layout oneDNN packs a bf16 [out, in] weight in (`rows_hint` as
-    PackedLinear passes it), found on a probe weight (packed_layout.matches). None: another
-    layout (the kernel does not read it)."""
-    n_out, k_in = out_features, in_features
-    if k_in % 32 or n_out % 16:
-        return None
-
-    def at(nb: int) -> Offsets:  # blocks of nb outputs by 16 inputs, inside [8 input pairs][nb outputs][2]
-        return lambda n, k: (((n // nb) * (k_in // 16) + k // 16) * 16 * nb + ((k % 16) // 2) * nb * 2
-                             + (n % nb) * 2 + k % 2)
-
-    return matches(n_out, k_in, rows_hint, torch.bfloat16, {nb: at(nb) for nb in _NB if n_out % nb == 0})
 
 
 def expert(x: torch.Tensor, tok: torch.Tensor, tw: torch.Tensor, gate_up: Any, down: Any,
@@ -74,7 +57,7 @@ def expert(x: torch.Tensor, tok: torch.Tensor, tw: torch.Tensor, gate_up: Any, d
     if nb is None or x.shape[1] != gate_up.in_features or out.shape[1] != x.shape[1]:
         return False
     H, inter = x.shape[1], down.in_features
-    rows = -(-min(n, MAX_ROWS) // 16) * 16
+    rows = scratch_rows(n, 1)  # one run at a time
     a, h = x.new_empty((rows, H)), x.new_empty((rows, inter))  # [Mp, H], [Mp, I]: the kernel's scratch
     tok, tw = tok.contiguous(), tw.to(torch.float32).contiguous()
     gu_at, down_at, lut = _raw(gate_up.packed), _raw(down.packed), _silu_table().data_ptr()
@@ -132,15 +115,6 @@ def layer(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, counts: lis
                    at.data_ptr() + 8 * E, H, inter, nb_gu, nb_dn, _silu_table().data_ptr(), tok.data_ptr(),
                    tw.data_ptr(), a.data_ptr(), h.data_ptr(), out.data_ptr(), out.stride(0), threads)
     return rc == 0
-
-
-def scratch_rows(most: int, threads: int) -> int:
-    """Rows of `layer`'s scratch (a and h) when an expert has at most `most` rows: one run's
-    (MAX_ROWS at most, rounded up to 16), or one run's per thread where an expert has more rows
-    than a run (expert_amx.c splits those rows between the threads, each in its own MAX_ROWS)."""
-    if most > MAX_ROWS and threads > 1:
-        return MAX_ROWS * threads
-    return -(-min(most, MAX_ROWS) // 16) * 16
 
 
 def _weights(gate_up: Any, down: Any) -> tuple[int, int] | None:

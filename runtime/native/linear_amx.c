@@ -13,9 +13,9 @@
  * Work, on torch's OpenMP team (cpu.h):
  * - up to MAX_ROWS rows (a decode step): one chunk, copied on row_items.h's threads, then its
  *   outputs split between the threads, each a contiguous run of the weight's nb-output units;
- * - more rows (a prefill step): the rows in chunks, a multiple of the threads in number and of
- *   about equal size; each thread copies its own chunks into its own scratch and runs every output
- *   of each, so a chunk's tiles stay in its core's L2 and the threads meet once.
+ * - more rows (a prefill step): the rows in chunks (amx_gemm.h's chunk_rows); each thread copies
+ *   its own chunks into its own scratch and runs every output of each, so a chunk's tiles stay in
+ *   its core's L2 and the threads meet once.
  * The next unit's weights are asked for a few lines at each step (amx_gemm.h's Pf); a slice's
  * 32 outputs of every row are stored while the next slice's tiles run (Epi), with streaming
  * stores where y is aligned for them: the output is read by the next op, not by this one, and
@@ -41,7 +41,7 @@ typedef struct {
     const uint16_t *x; int64_t ldx;  /* [M, K] */
     int64_t M, K, N, rows;           /* rows: a chunk's (the last may have fewer) */
     const uint16_t *w; int nb;       /* [N, K] packed, NB */
-    uint16_t *a;                     /* [nth or 1][Mp/16, K/32, 16, 32] chunks as tiles, pad rows zero */
+    uint16_t *a;                     /* [nth or 1][MAX_ROWS/16, K/32, 16, 32] chunks as tiles, pad rows zero */
     uint16_t *y; int64_t ldy;        /* [M, N] */
     int nth, stream;                 /* threads; 1: streaming stores into y */
     int64_t next, taken;             /* the next run (or chunk) to hand out; threads started */
@@ -49,7 +49,7 @@ typedef struct {
 
 /* A chunk in flight: rows [r0, r0 + n) of the job, as tiles in a ([mp, K]), its slice's rows
  * stored by store_rows. */
-typedef struct { const Job *j; uint16_t *a; int64_t r0, n, mp; } Chunk;
+typedef struct { Job *j; uint16_t *a; int64_t r0, n, mp; } Chunk;
 
 #ifdef HAVE_AMX
 /* The chunk's rows [r0, r1) (of its Mp) as tiles in c->a, zero rows from n on. */
@@ -102,7 +102,7 @@ AMX_TARGET static void chunk_units(const Chunk *c, int64_t u0, int64_t u1) {
 /* One chunk (all the rows), its outputs split: each thread a contiguous run of units. */
 AMX_TARGET static void *split_outputs(void *arg) {
     const Chunk *c = (const Chunk *)arg;
-    Job *j = (Job *)c->j;
+    Job *j = c->j;
     tiles_on();
     int64_t u0, u1;
     while (take_run(&j->next, j->nth, j->N / j->nb, &u0, &u1)) chunk_units(c, u0, u1);
@@ -117,7 +117,7 @@ AMX_TARGET static void *split_rows(void *arg) {
     Job *j = (Job *)arg;
     tiles_on();
     const int64_t t = __atomic_fetch_add(&j->taken, 1, __ATOMIC_RELAXED);
-    uint16_t *a = j->a + t * ((j->rows + 15) / 16 * 16) * j->K;  /* this thread's scratch */
+    uint16_t *a = j->a + t * MAX_ROWS * j->K;  /* this thread's scratch */
     for (;;) {
         const int64_t r0 = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) * j->rows;
         if (r0 >= j->M) break;
@@ -142,7 +142,7 @@ int moecc_linear_amx_ready(void) {
 }
 
 /* y = x . W^T for M rows: returns 0 (done), 1 (arguments it does not take: nothing written) or 2
- * (no AMX here). `a`: the caller's scratch of linear_amx.py's `scratch_rows(M, nthreads)` rows of K. */
+ * (no AMX here). `a`: the caller's scratch of amx_gemm.py's `scratch_rows(M, nthreads)` rows of K. */
 int moecc_linear_amx(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int64_t N, const uint16_t *w, int nb,
                      uint16_t *a, uint16_t *y, int64_t ldy, int nthreads) {
 #ifdef HAVE_AMX
@@ -160,8 +160,7 @@ int moecc_linear_amx(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int64
         }
         return 0;
     }
-    const int64_t chunks = (M + MAX_ROWS * nth - 1) / (MAX_ROWS * nth) * nth;  /* a multiple of the threads */
-    j.rows = (M + chunks - 1) / chunks;
+    j.rows = chunk_rows(M, nth, MAX_ROWS);
     run_threads(split_rows, &j, nth, nth);
     return 0;
 #else

@@ -1,11 +1,12 @@
 """A dense bf16 projection in one native call on a CPU with AMX (linear_amx.c,
 `moecc_runtime.native._linear_amx`), over the weight oneDNN packed for its own GEMM (no second
-copy): the q/k/v, o, lm_head and dense MLP projections PackedLinear runs. oneDNN's GEMM pads the
-rows up to a bucket (packed_weights.bucket_rows) and, at some row counts, runs on one thread: at
-a bf16 job's 96-8,192 rows the same products ran 1.2-3x slower in the job than this call.
+copy): the q/k/v, o, lm_head and dense MLP projections PackedLinear runs, each output written with
+streaming stores. In the bench768 bf16 decode-heavy job (512 rows a step) o took 0.43 ms a call
+against oneDNN's 0.65, the lm_head 2.5 against 3.5, q/k/v the same (0.50); a whole bf16 job ran
+1.03-1.05x faster (bench/results, fifteenth pass).
 
 `linear` returns None, having done nothing, where it does not apply: not built, no AMX here (or
-MOECC_NO_NATIVE / MOECC_LINEAR_AMX=0), not bf16, a bias, a layout the probe (expert_amx.layout)
+MOECC_NO_NATIVE / MOECC_LINEAR_AMX=0), not bf16, a bias, a layout the probe (amx_gemm.layout)
 does not recognise, sizes not in multiples of 32. The caller then runs oneDNN's GEMM. Results:
 each sum in fp32 over the inputs in order, rounded once to bf16; oneDNN's GEMM gives the same
 bits except where it splits the inputs between threads (then within one bf16 step).
@@ -18,21 +19,8 @@ from typing import Any
 import torch
 
 from moecc_runtime.native import ready_extension
-from moecc_runtime.native.expert_amx import layout
+from moecc_runtime.native.amx_gemm import layout, scratch_rows
 from moecc_runtime.native.packed_layout import raw
-
-MAX_ROWS = 512  #: rows per chunk (linear_amx.c's MAX_ROWS)
-
-
-def scratch_rows(m: int, threads: int) -> int:
-    """Rows of the scratch linear_amx.c copies `m` rows into as tiles on `threads` threads: one
-    chunk of up to MAX_ROWS, or past that one chunk per thread (the chunks a multiple of the
-    threads in number, about equal in size), each rounded up to 16."""
-    if m <= MAX_ROWS or threads <= 1:
-        return -(-min(m, MAX_ROWS) // 16) * 16
-    chunks = -(-m // (MAX_ROWS * threads)) * threads
-    rows = -(-m // chunks)  # a chunk's (linear_amx.c's j.rows)
-    return -(-rows // 16) * 16 * threads
 
 
 def _module() -> Any:

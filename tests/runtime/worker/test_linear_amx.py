@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from moecc_runtime.memory.packed_weights import PackedLinear, packing_available
 from moecc_runtime.native import linear_amx
-from moecc_runtime.native.expert_amx import layout
+from moecc_runtime.native.amx_gemm import layout, scratch_rows
 from moecc_runtime.native.packed_layout import raw
 
 pytestmark = pytest.mark.skipif(linear_amx._module() is None or not packing_available(),
@@ -102,7 +102,7 @@ def test_streaming_and_plain_stores_give_the_same_bits_and_nothing_else_is_writt
     _, pl = weight(N, K, 5)
     x = rows(M, K, 5)
     guard = -7.0
-    want = linear_amx.scratch_rows(M, 2)
+    want = scratch_rows(M, 2)
     outs = []
     for off in (0, 1):  # 0: aligned (streams), 1: one element on (no stream)
         buf = torch.full((M * N + 64,), guard, dtype=BF16)
