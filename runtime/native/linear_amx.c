@@ -8,7 +8,7 @@
  *
  * Rounding: each sum in fp32 over the inputs in order, 32 at a time (AMX's dot product), rounded
  * once to bf16: the bits of oneDNN's AMX GEMM where it does not split the inputs between threads
- * (where it does, within one bf16 step: linear_amx.py).
+ * (where it does, as close to the exact product: tests/runtime/worker/test_linear_amx.py).
  *
  * Work, on torch's OpenMP team (cpu.h):
  * - up to MAX_ROWS rows (a decode step): one chunk, copied on row_items.h's threads, then its

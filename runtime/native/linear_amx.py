@@ -9,7 +9,8 @@ against oneDNN's 0.65, the lm_head 2.5 against 3.5, q/k/v the same (0.50); a who
 MOECC_NO_NATIVE / MOECC_LINEAR_AMX=0), not bf16, a bias, a layout the probe (amx_gemm.layout)
 does not recognise, sizes not in multiples of 32. The caller then runs oneDNN's GEMM. Results:
 each sum in fp32 over the inputs in order, rounded once to bf16; oneDNN's GEMM gives the same
-bits except where it splits the inputs between threads (then within one bf16 step).
+bits except where it splits the inputs between threads (then its error against the exact product
+is oneDNN's: test_linear_amx.py).
 """
 
 from __future__ import annotations
