@@ -39,6 +39,9 @@ from moecc_runtime.native import expert_amx, expert_rows, rmsnorm, rope, extensi
 assert expert_rows._module() is not None, "the wheel carries no expert passes (moecc_runtime.native._expert_rows)"
 assert extension("_expert_amx", "moecc_expert_amx") is not None, "the wheel carries no AMX expert (moecc_runtime.native._expert_amx)"
 print("check_install: the AMX expert kernel", "runs on this CPU" if expert_amx._module() is not None else "is built (this CPU has no AMX)")
+from moecc_runtime.native import linear_amx
+assert extension("_linear_amx", "moecc_linear_amx") is not None, "the wheel carries no AMX projection (moecc_runtime.native._linear_amx)"
+print("check_install: the AMX projection kernel", "runs on this CPU" if linear_amx._module() is not None else "is built (this CPU has no AMX)")
 from moecc_runtime.native import expert_fp32
 assert extension("_expert_fp32", "moecc_expert_fp32_ready") is not None, "the wheel carries no fp32 expert layer (moecc_runtime.native._expert_fp32)"
 print("check_install: the fp32 expert layer", "runs on this CPU" if expert_fp32._module() is not None else "is built (this CPU has no AVX-512)")
@@ -52,7 +55,7 @@ assert rope._module() is not None, "the wheel carries no host rope (moecc_runtim
 assert rmsnorm.sum_lanes() is not None, "the wheel's host rmsnorm is missing or disagrees with torch's (moecc_runtime.native._rmsnorm)"
 from moecc_runtime.native import kv_write
 assert kv_write._module() is not None, "the wheel carries no host KV scatter (moecc_runtime.native._kv_write)"
-print("check_install: host attention kernel, sampler pass, dequantize, expert passes, the AMX expert, the fp32 expert layer, the AMX and fp32 prompt attention, rope, rmsnorm and the KV scatter built into the wheel")
+print("check_install: host attention kernel, sampler pass, dequantize, expert passes, the AMX expert and projection, the fp32 expert layer, the AMX and fp32 prompt attention, rope, rmsnorm and the KV scatter built into the wheel")
 PY
 moecc="$work/venv/bin/moecc"
 "$moecc" compile model --gpu-mem 24GB --dump-dir dumps --dump-format txt,onnx,svg -o plan.pt
