@@ -1,7 +1,8 @@
 /* The AMX tile machinery the bf16 GEMM kernels share (expert_amx.c: a routed expert's MLP;
  * linear_amx.c: a dense projection): rows as tiles (packed_at, pack_row), oneDNN's packed weight
  * tiles (tile_at), the paced prefetch of a weight stream (Pf), a slice's pending epilogue (Epi)
- * and the tile loop over a slice of 32 outputs for every row tile (slice_tiles). Include after
+ * and the tile loop over a slice of 32 outputs for every row tile (slice_tiles), over a run of the
+ * weight's units (units_tiles); the rows split between threads (chunk_rows, take_chunk). Include after
  * amx.h, inside HAVE_AMX. Header-only, all static.
  *
  * Legend: K inputs, nb the packed weight's output block (32 or 64), MT row tiles of 16, KB = K / 32
@@ -19,6 +20,15 @@
 static inline int64_t chunk_rows(int64_t n, int nth, int64_t max_rows) {
     const int64_t chunks = (n + max_rows * nth - 1) / (max_rows * nth) * nth;
     return (n + chunks - 1) / chunks;
+}
+
+/* The next chunk of a rows split (chunk_rows' `rows` each, `n` rows in all), for whichever thread
+ * asks: its first row *r0 and its rows *cn; 0 when every chunk is taken. */
+static inline int take_chunk(int64_t *next, int64_t rows, int64_t n, int64_t *r0, int64_t *cn) {
+    *r0 = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * rows;
+    if (*r0 >= n) return 0;
+    *cn = n - *r0 < rows ? n - *r0 : rows;
+    return 1;
 }
 
 #ifdef HAVE_AMX
@@ -120,6 +130,25 @@ AMX_TARGET static void slice_tiles(const uint16_t *a, int64_t MT, const uint16_t
             }
             _tile_stored(0, cb[m][0], 64); _tile_stored(1, cb[m][1], 64);
             if (two) { _tile_stored(2, cb[m + 1][0], 64); _tile_stored(3, cb[m + 1][1], 64); }
+        }
+    }
+}
+
+/* The outputs of units [u0, u1) (nb outputs each, nb/32 slices of 32) of weight w (packed nb, K
+ * inputs) for every one of a's MT row tiles: each slice through slice_tiles into C buffer c[*b]
+ * (*b toggled a slice), the next unit's weights asked for during the unit, and each slice's
+ * result handed to e (rows [0, n), the slice's column) while the next slice's tiles run. The last
+ * slice's epilogue is left pending: the caller finishes it (epi_finish) after its last call. */
+AMX_TARGET static inline void units_tiles(const uint16_t *a, int64_t MT, const uint16_t *w, int64_t K, int nb,
+                                          int64_t u0, int64_t u1, int64_t n, Epi *e, float (*c[2])[2][256], int *b) {
+    const int64_t KB = K / 32, run = K * nb, steps = (nb / 32) * ((MT + 1) / 2) * KB;
+    for (int64_t un = u0; un < u1; un++) {
+        Pf pf = pf_blocks(w, (un + 1) * run, -1, run * 2, steps, un + 1 >= u1);
+        for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, *b ^= 1) {
+            slice_tiles(a, MT, w + tile_at(32 * s, 0, K, nb), w + tile_at(32 * s + 16, 0, K, nb), 32 * nb, nb * 4, KB,
+                        &pf, e, c[*b]);
+            epi_finish(e);
+            e->c0 = (const float (*)[2][256])c[*b], e->col = 32 * s, e->r = 0, e->n = n;
         }
     }
 }

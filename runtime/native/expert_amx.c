@@ -171,20 +171,11 @@ AMX_TARGET static void *down(void *arg) {
     Job *j = (Job *)arg;
     tiles_on();
     const int64_t K = j->I, KB = K / 32, MT = j->mp / 16;
-    const int nb = j->nb_dn;
-    const int64_t run = K * nb, steps = (nb / 32) * ((MT + 1) / 2) * KB;
     Epi e = {down_rows, j, NULL, NULL, 0, 0, 0, (j->n + ((MT + 1) / 2) * KB - 1) / (((MT + 1) / 2) * KB)};
-    int64_t u0, u1, b = 0;
-    while (next_run(j, j->H / nb, &u0, &u1))
-        for (int64_t un = u0; un < u1; un++) {
-            Pf pf = pf_blocks(j->dn, (un + 1) * run, -1, run * 2, steps, un + 1 >= u1);
-            for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, b ^= 1) {
-                const uint16_t *b0 = j->dn + tile_at(32 * s, 0, K, nb), *b1 = j->dn + tile_at(32 * s + 16, 0, K, nb);
-                slice_tiles(j->h, MT, b0, b1, 32 * nb, nb * 4, KB, &pf, &e, c_down[b]);
-                epi_finish(&e);
-                e.c0 = (const float (*)[2][256])c_down[b], e.col = 32 * s, e.r = 0, e.n = j->n;
-            }
-        }
+    float (*c[2])[2][256] = {c_down[0], c_down[1]};
+    int64_t u0, u1;
+    int b = 0;
+    while (next_run(j, j->H / j->nb_dn, &u0, &u1)) units_tiles(j->h, MT, j->dn, K, j->nb_dn, u0, u1, j->n, &e, c, &b);
     epi_finish(&e);
     _tile_release();
     return NULL;
@@ -213,21 +204,19 @@ static void run_expert(Job *j) {
 
 /* An expert's rows split between the threads (more rows than MAX_ROWS: amx_gemm.h's chunk_rows),
  * each chunk run whole by one thread (gather, gate/up, down, run_expert on that thread alone) in
- * its own scratch (thread t: a and h from row t * MAX_ROWS),
- * so a chunk's rows and h stay in its core's L2 and the threads meet once an expert instead of
- * three times a chunk. An expert's rows are distinct tokens: no two chunks add into one row of
+ * its own scratch (thread t: a and h from row t * MAX_ROWS), so a chunk's rows and h stay in its
+ * core's L2 and the threads meet once an expert instead of three times a chunk. An expert's rows are distinct tokens: no two chunks add into one row of
  * out, and each row's bits are those of a run of MAX_ROWS (rows do not meet in the sums). */
 typedef struct { Job base; int64_t rows, next, taken; } Split;
 
 static void *split_rows(void *arg) {
     Split *s = (Split *)arg;
-    const int64_t t = __atomic_fetch_add(&s->taken, 1, __ATOMIC_RELAXED);
-    for (;;) {
-        const int64_t r0 = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED) * s->rows;
-        if (r0 >= s->base.n) break;
+    const int64_t t = __atomic_fetch_add(&s->taken, 1, __ATOMIC_RELAXED);  /* this thread's scratch */
+    int64_t r0, n;
+    while (take_chunk(&s->next, s->rows, s->base.n, &r0, &n)) {
         Job j = s->base;
-        j.tok += r0, j.tw += r0, j.n = s->base.n - r0 < s->rows ? s->base.n - r0 : s->rows;
-        j.mp = (j.n + 15) / 16 * 16, j.a += t * MAX_ROWS * j.H, j.h += t * MAX_ROWS * j.I, j.nth = 1, j.next = 0;
+        j.tok += r0, j.tw += r0, j.n = n;
+        j.mp = (n + 15) / 16 * 16, j.a += t * MAX_ROWS * j.H, j.h += t * MAX_ROWS * j.I, j.nth = 1, j.next = 0;
         run_expert(&j);
     }
     return NULL;

@@ -82,20 +82,11 @@ static __thread float c_out[2][MAX_ROWS / 16][2][256] __attribute__((aligned(64)
 /* The chunk's outputs of units [u0, u1) (nb outputs each, nb/32 slices of 32), every row. */
 AMX_TARGET static void chunk_units(const Chunk *c, int64_t u0, int64_t u1) {
     const Job *j = c->j;
-    const int64_t K = j->K, KB = K / 32, MT = c->mp / 16, pairs = (MT + 1) / 2;
-    const int nb = j->nb;
-    const int64_t run = K * nb, steps = (nb / 32) * pairs * KB;
+    const int64_t KB = j->K / 32, MT = c->mp / 16, pairs = (MT + 1) / 2;
     Epi e = {store_rows, c, NULL, NULL, 0, 0, 0, (c->n + pairs * KB - 1) / (pairs * KB)};
+    float (*bufs[2])[2][256] = {c_out[0], c_out[1]};
     int b = 0;
-    for (int64_t un = u0; un < u1; un++) {
-        Pf pf = pf_blocks(j->w, (un + 1) * run, -1, run * 2, steps, un + 1 >= u1);
-        for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, b ^= 1) {
-            const uint16_t *b0 = j->w + tile_at(32 * s, 0, K, nb), *b1 = j->w + tile_at(32 * s + 16, 0, K, nb);
-            slice_tiles(c->a, MT, b0, b1, 32 * nb, nb * 4, KB, &pf, &e, c_out[b]);
-            epi_finish(&e);
-            e.c0 = (const float (*)[2][256])c_out[b], e.col = 32 * s, e.r = 0, e.n = c->n;
-        }
-    }
+    units_tiles(c->a, MT, j->w, j->K, j->nb, u0, u1, c->n, &e, bufs, &b);
     epi_finish(&e);
 }
 
@@ -118,10 +109,8 @@ AMX_TARGET static void *split_rows(void *arg) {
     tiles_on();
     const int64_t t = __atomic_fetch_add(&j->taken, 1, __ATOMIC_RELAXED);
     uint16_t *a = j->a + t * MAX_ROWS * j->K;  /* this thread's scratch */
-    for (;;) {
-        const int64_t r0 = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) * j->rows;
-        if (r0 >= j->M) break;
-        const int64_t n = j->M - r0 < j->rows ? j->M - r0 : j->rows;
+    int64_t r0, n;
+    while (take_chunk(&j->next, j->rows, j->M, &r0, &n)) {
         const Chunk c = {j, a, r0, n, (n + 15) / 16 * 16};
         pack_chunk(&c, 0, c.mp);
         chunk_units(&c, 0, j->N / j->nb);
