@@ -205,8 +205,9 @@ static void run_expert(Job *j) {
 /* An expert's rows split between the threads (more rows than MAX_ROWS: amx_gemm.h's chunk_rows),
  * each chunk run whole by one thread (gather, gate/up, down, run_expert on that thread alone) in
  * its own scratch (thread t: a and h from row t * MAX_ROWS), so a chunk's rows and h stay in its
- * core's L2 and the threads meet once an expert instead of three times a chunk. An expert's rows are distinct tokens: no two chunks add into one row of
- * out, and each row's bits are those of a run of MAX_ROWS (rows do not meet in the sums). */
+ * core's L2 and the threads meet once an expert instead of three times a chunk. An expert's rows
+ * are distinct tokens: no two chunks add into one row of out, and each row's bits are those of a
+ * run of MAX_ROWS (rows do not meet in the sums). */
 typedef struct { Job base; int64_t rows, next, taken; } Split;
 
 static void *split_rows(void *arg) {
