@@ -1,11 +1,15 @@
 /* transformers' RMSNorm on the host in one pass over each row (torch runs it as six: widen,
- * square, mean, add eps and rsqrt, scale, narrow, times the weight):
+ * square, mean, add eps and rsqrt, scale, narrow, times the weight), optionally after the
+ * residual add that makes its input (moecc_add_rmsnorm: a decoder layer's `x + attn` or
+ * `x + mlp` then the next norm, in one pass while the row is in L1):
  *
+ *   x[t, c]  = round(a[t, c] + b[t, c]), kept in sum   (moecc_add_rmsnorm only; torch's add)
  *   r        = 1 / sqrt(sum(x[t, :]^2) / H + eps)          in fp32
  *   out[t,c] = w[c] * round(x[t, c] * r)                   round: to x's dtype; the product too
  *
- * Legend: R rows (tokens, or tokens x heads for a per-head norm), H the normalised width; x any
- * row stride (rows contiguous), w [H], out [R, H] contiguous; fp32 or bf16, all three alike.
+ * Legend: R rows (tokens, or tokens x heads for a per-head norm), H the normalised width; x (or
+ * a, b and sum) any row stride (rows contiguous), w [H], out [R, H] contiguous; fp32 or bf16,
+ * all alike.
  *
  * The bits are kernels._rmsnorm's: the sum of squares adds the rounded squares in the order of
  * torch's own inner sum (its cascade sum) over `lanes`-wide vectors (the width of torch's sum
@@ -32,12 +36,14 @@
 enum { ILP = 4, LEVELS = 4, MAX_LANES = 16 };
 
 typedef struct {
-    const void *x; int64_t xs;  /* x [R, H], row stride xs (elements) */
+    const void *x; int64_t xs;  /* x [R, H], row stride xs (elements); the add's a when b is set */
     const void *w;               /* [H] */
     void *out;                   /* [R, H] contiguous */
     int64_t R, H;
     float eps;
     int dtype, lanes;
+    const void *b; int64_t bs;   /* the add's b [R, H] (NULL: no add), row stride bs */
+    void *sum; int64_t ss;       /* the add's result [R, H], row stride ss */
 } Job;
 
 /* ceil(log2(n)), at least 1 (torch's utils::CeilLog2). */
@@ -94,7 +100,18 @@ static inline __attribute__((always_inline)) void norm_row(const Job *j, int64_t
                                                            float *restrict wide) {
     const int64_t H = j->H;
     const float *restrict xf = (const float *)j->x + t * j->xs;
-    if (j->dtype == DT_BF16) {
+    if (j->b) {  /* x = round(a + b), kept in sum and widened */
+        if (j->dtype == DT_BF16) {
+            const uint16_t *restrict a = (const uint16_t *)j->x + t * j->xs, *restrict b = (const uint16_t *)j->b + t * j->bs;
+            uint16_t *restrict s = (uint16_t *)j->sum + t * j->ss;
+            for (int64_t c = 0; c < H; c++) s[c] = f2bf(bf2f(a[c]) + bf2f(b[c])), wide[c] = bf2f(s[c]);
+        } else {
+            const float *restrict a = (const float *)j->x + t * j->xs, *restrict b = (const float *)j->b + t * j->bs;
+            float *restrict s = (float *)j->sum + t * j->ss;
+            for (int64_t c = 0; c < H; c++) s[c] = wide[c] = a[c] + b[c];
+        }
+        xf = wide;
+    } else if (j->dtype == DT_BF16) {
         const uint16_t *restrict x = (const uint16_t *)j->x + t * j->xs;
         for (int64_t c = 0; c < H; c++) wide[c] = bf2f(x[c]);
         xf = wide;
@@ -126,16 +143,29 @@ static inline __attribute__((always_inline)) void norm_row(const Job *j, int64_t
 
 ROW_ITEMS_BUILDS(ROWS_BODY)
 
-/* Returns 0, or 1 when the arguments are inconsistent or out of range (nothing written). */
+/* The job's rows on the threads. Returns 0, or 1 when the arguments are inconsistent or out of
+ * range (nothing written). */
+static int run_norm(Job *j, int nthreads) {
+    if ((j->dtype != DT_F32 && j->dtype != DT_BF16) || j->R < 0 || j->H < 0 || j->H > SCRATCH_H || j->xs < j->H ||
+        (j->b && (j->bs < j->H || j->ss < j->H)) || (j->lanes != 1 && j->lanes != 8 && j->lanes != 16))
+        return 1;
+    if (j->R == 0 || j->H == 0) return 0;
+    run_row_items(j, ROW_FNS, j->R, j->H, nthreads);
+    return 0;
+}
+
 int moecc_rmsnorm(const void *x, int64_t xs, int64_t R, int64_t H, const void *w, float eps, void *out, int dtype,
                   int lanes, int nthreads) {
-    if ((dtype != DT_F32 && dtype != DT_BF16) || R < 0 || H < 0 || H > SCRATCH_H || xs < H ||
-        (lanes != 1 && lanes != 8 && lanes != 16))
-        return 1;
-    if (R == 0 || H == 0) return 0;
-    Job j = {x, xs, w, out, R, H, eps, dtype, lanes};
-    run_row_items(&j, ROW_FNS, R, H, nthreads);
-    return 0;
+    Job j = {x, xs, w, out, R, H, eps, dtype, lanes, NULL, 0, NULL, 0};
+    return run_norm(&j, nthreads);
+}
+
+/* sum = round(a + b) (torch's add, same bits), then out = the norm of sum, as moecc_rmsnorm:
+ * both written in one pass over each row. `sum` overlaps neither a nor b. */
+int moecc_add_rmsnorm(const void *a, int64_t as, const void *b, int64_t bs, void *sum, int64_t ss, int64_t R,
+                      int64_t H, const void *w, float eps, void *out, int dtype, int lanes, int nthreads) {
+    Job j = {a, as, w, out, R, H, eps, dtype, lanes, b, bs, sum, ss};
+    return b == NULL ? 1 : run_norm(&j, nthreads);
 }
 
 /* rmsnorm(x, x_row_stride, R, H, w, eps, out, dtype, lanes, nthreads) from Python (METH_FASTCALL,
@@ -154,9 +184,28 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_t n)
     return PyLong_FromLong(rc);
 }
 
+/* add_rmsnorm(a, a_stride, b, b_stride, sum, sum_stride, R, H, w, eps, out, dtype, lanes, nthreads) from
+ * Python, as py_rmsnorm. */
+static PyObject *py_add_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    long long v[14];
+    if (int_args(args, n, 14, "add_rmsnorm", 1u << 9, v)) return NULL;
+    const double eps = PyFloat_AsDouble(args[9]);  /* the one float */
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = moecc_add_rmsnorm((const void *)(intptr_t)v[0], v[1], (const void *)(intptr_t)v[2], v[3], (void *)(intptr_t)v[4],
+                           v[5], v[6], v[7], (const void *)(intptr_t)v[8], (float)eps, (void *)(intptr_t)v[10],
+                           (int)v[11], (int)v[12], (int)v[13]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
 static PyMethodDef methods[] = {
     {"rmsnorm", (PyCFunction)(void (*)(void))py_rmsnorm, METH_FASTCALL,
      "rmsnorm(x, x_row_stride, R, H, w, eps, out, dtype, lanes, nthreads) -> 0 or 1"},
+    {"add_rmsnorm", (PyCFunction)(void (*)(void))py_add_rmsnorm, METH_FASTCALL,
+     "add_rmsnorm(a, a_stride, b, b_stride, sum, sum_stride, R, H, w, eps, out, dtype, lanes, nthreads) -> 0 or 1"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rmsnorm", "moecc's RMSNorm on the host.", -1, methods};

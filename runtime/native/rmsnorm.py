@@ -1,6 +1,7 @@
 """transformers' RMSNorm on the host in one pass over each row (rmsnorm.c,
-`moecc_runtime.native._rmsnorm`), with kernels._rmsnorm's bits. `rmsnorm` returns None, having
-done nothing, where it does not apply (not built, MOECC_NO_NATIVE, a GPU tensor, a dtype other
+`moecc_runtime.native._rmsnorm`), with kernels._rmsnorm's bits; `add_rmsnorm` the residual add
+that makes its input in the same pass (torch's `a + b`, same bits). `rmsnorm` returns None (and
+`add_rmsnorm` False), having done nothing, where it does not apply (not built, MOECC_NO_NATIVE, a GPU tensor, a dtype other
 than fp32 / bf16, x and w not of one dtype, rows wider than the pass takes, torch's CPU kernels
 whose sum adds in an order the pass does not know: `sum_lanes`); the caller then runs torch's
 passes.
@@ -80,3 +81,29 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None
     if mod is None or lanes is None:
         return None
     return _run(mod, x, w, eps, lanes)
+
+
+def _rows(x: torch.Tensor, H: int) -> bool:
+    """x is [R, H] on the host with contiguous rows (any row stride)."""
+    return x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == H and (x.stride(1) == 1 or H == 1)
+
+
+def add_rmsnorm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float, sum_out: torch.Tensor,
+                out: torch.Tensor) -> bool:
+    """sum_out = a + b (torch's add, same bits) and out = rmsnorm(sum_out, w, eps) (`rmsnorm`'s
+    bits), in one pass over each row. a, b, sum_out: [R, H] with contiguous rows (any row stride),
+    sum_out overlapping neither a nor b  w: [H]  out: [R, H] contiguous; all of one dtype (fp32 or
+    bf16). False, nothing written, where it does not apply (as `rmsnorm`, or other shapes)."""
+    R, H = a.shape if a.dim() == 2 else (0, 0)
+    if (not all(_rows(t, H) for t in (a, b, sum_out, out)) or b.shape != a.shape or sum_out.shape != a.shape
+            or out.shape != a.shape or not out.is_contiguous() or a.dtype not in DTYPE_CODES
+            or any(t.dtype != a.dtype for t in (b, sum_out, out, w)) or w.shape != (H,) or not w.is_contiguous()
+            or w.device.type != "cpu" or H > MAX_WIDTH or H == 0):
+        return False
+    mod, lanes = _module(), sum_lanes()
+    if mod is None or lanes is None:
+        return False
+    rc = mod.add_rmsnorm(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), sum_out.data_ptr(), sum_out.stride(0),
+                         R, H, w.data_ptr(), float(eps), out.data_ptr(), DTYPE_CODES[a.dtype],
+                         lanes if H >= lanes else 1, torch.get_num_threads())
+    return rc == 0

@@ -53,6 +53,7 @@ from moecc_runtime.plan_schema import OP_JOB_KIND, TRANSFER_OPS, speculates
 from moecc_runtime.worker import kernels
 from moecc_runtime.worker.attention_backends import AttentionBackend, host_fractions, make_backends, place
 from moecc_runtime.worker.batch import MicroBatch, StepBatch
+from moecc_runtime.worker.norm_ahead import NormAhead, norms_ahead
 from moecc_runtime.worker.stats import EngineStats, account, copy_counters
 from moecc_runtime.worker.timeline import StepTrace, pick_trace
 
@@ -221,6 +222,9 @@ class Worker:
         self._slot_of = {op.name: op.attrs.get("slot", op.name) for m in self.schedule for op in m.ops
                          if op.op == "host_buffer"}
         self._sums_kept = {} if self.cuda else _sums_kept(self.schedule)  # add -> its host buffer (_add_into)
+        # the add and the next module's norm in one pass (weights read in place: no arena)
+        self._norm_ahead = NormAhead(norms_ahead(self.schedule, self._sums_kept) if self.view.arena is None else {},
+                                     lambda op: self._w(op, "weight"))
         self._host_bufs: dict[Any, torch.Tensor] = {}  # host buffer storage (bytes) by slot, reused
         self._host_ready: dict[Any, Any] = {}  # CUDA: slot -> event after its last device->host write
         self._host_read: dict[Any, Any] = {}  # CUDA: slot -> event after its last non-blocking read
@@ -322,6 +326,7 @@ class Worker:
         """Every module in plan order over the step's rows; the head's logits."""
         env: dict[str, torch.Tensor] = {"input_ids": b.input_ids, "positions": b.positions}
         mbs = place(b, self._host_share[self._phase], self.b_a, self.kv_staging.cap_blocks)
+        self._norm_ahead.start_step()
         logits = None
         for index, module in enumerate(self.schedule):
             kind = module.kind
@@ -443,15 +448,20 @@ class Worker:
         """A CPU run's residual add written straight into the rows of the host buffer that keeps
         its sum (`_sums_kept`): the same bits as `x[0] + x[1]` then the buffer's copy, without
         the copy or a fresh [t, H]. The buffer never holds an input of its own module (the
-        planner's slots: insert_host_buffers.assign_slots). None where this does not apply (rows
-        by index, a value kept on the device, shapes that broadcast); the caller computes it."""
+        planner's slots: insert_host_buffers.assign_slots); where the next module opens with the
+        norm of that buffer, the norm of the sum in the same pass (norm_ahead.py). None where this
+        does not apply (rows by index, a value kept on the device, shapes that broadcast); the
+        caller computes it."""
         name = self._sums_kept[op.name]
         if not isinstance(rows, slice) or (self._dev is not None and name in self._dev.offsets) \
                 or x[0].shape != x[1].shape:
             return None
-        dst = self._step_buffer(env, name, T, x[0].shape[1:], torch.result_type(x[0], x[1]))[rows]
+        full = self._step_buffer(env, name, T, x[0].shape[1:], torch.result_type(x[0], x[1]))
+        dst = full[rows]
         if dst.shape != x[0].shape:
             return None
+        if self._norm_ahead.add(op, x, dst, full):  # and the next module's norm of the sum
+            return dst
         return torch.add(x[0], x[1], out=dst)
 
     def _step_buffer(self, env: dict[str, torch.Tensor], name: str, T: int, row: Any, dtype: torch.dtype
@@ -556,7 +566,8 @@ class Worker:
         if kind == "rope":
             return kernels.rope_table(x[0], self.inv_freq_host, self.rope_scaling, self.dtype)
         if kind == "rmsnorm":
-            return kernels.rmsnorm(x[0], self._w(op, "weight"), a["eps"])
+            made = self._norm_ahead.take(op, x[0])  # the rows the previous module's add normalised
+            return made if made is not None else kernels.rmsnorm(x[0], self._w(op, "weight"), a["eps"])
         if kind == "attention":
             assert mb is not None, f"attention node {op.name} outside an attention module"
             w = {k: self._w(op, k) for k in op.weights}

@@ -122,3 +122,55 @@ def test_other_torch_build_calibrates() -> None:
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+@settings(max_examples=30, deadline=None)
+@given(T=st.integers(1, 700), H=st.sampled_from(WIDTHS[:-2]), strided=st.booleans(),
+       threads=st.sampled_from([1, 2]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       eps=st.sampled_from([1e-5, 1e-6, 0.1]))
+def test_add_then_norm_has_the_bits_of_torch_add_then_the_norm(T: int, H: int, strided: bool, threads: int,
+                                                               dtype: torch.dtype, eps: float) -> None:
+    """add_rmsnorm: the sum is torch's `a + b`, the norm transformers' of that sum, bit for bit;
+    a, b and the sum as column views of wider buffers (row strides of their own)."""
+    g = torch.Generator().manual_seed(T * 17 + H)
+    pad = 3 if strided else 0
+    a = (torch.randn(T, H + pad, generator=g) * 4).to(dtype)[:, pad:]  # [T, H]
+    b = torch.randn(T, H + 2 * pad, generator=g).to(dtype)[:, :H]  # [T, H]
+    w = torch.randn(H, generator=g).to(dtype)
+    total = torch.full((T, H + pad), 7.0, dtype=dtype)  # [T, H + pad]: the columns past H untouched
+    out = torch.empty(T, H, dtype=dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert native_rmsnorm.add_rmsnorm(a, b, w, eps, total[:, :H], out)
+        want_sum = a + b
+        want = transformers_norm(want_sum, w, eps)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(_bits(total[:, :H]), _bits(want_sum)) and bool((total[:, H:] == 7).all())
+    assert torch.equal(_bits(out), _bits(want))
+
+
+def test_add_then_norm_special_values_and_refusals() -> None:
+    """Inf and NaN through the add as torch's add makes them; False, nothing written, for mixed
+    dtypes, fp16, mismatched shapes and an output that is not contiguous."""
+    a, b = torch.zeros(4, 64), torch.zeros(4, 64)
+    a[1, 3], b[1, 3] = float("inf"), float("-inf")
+    a[2, 5] = float("nan")
+    b[3] = 1e30
+    w = torch.ones(64)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y, v = a.to(dtype), b.to(dtype), w.to(dtype)
+        s, out = torch.empty_like(x), torch.empty_like(x)
+        assert native_rmsnorm.add_rmsnorm(x, y, v, 1e-6, s, out)
+        want_s = x + y
+        assert torch.equal(s.isnan(), want_s.isnan()) and torch.equal(torch.nan_to_num(s), torch.nan_to_num(want_s))
+        want = kernels._rmsnorm(want_s, v, 1e-6)
+        assert torch.equal(out.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(out), torch.nan_to_num(want))
+    x = torch.randn(4, 64)
+    s, out = torch.zeros(4, 64), torch.zeros(4, 64)
+    assert not native_rmsnorm.add_rmsnorm(x, x.bfloat16(), w, 1e-6, s, out)
+    assert not native_rmsnorm.add_rmsnorm(x.half(), x.half(), w.half(), 1e-6, s.half(), out.half())
+    assert not native_rmsnorm.add_rmsnorm(x, x[:3], w, 1e-6, s, out)
+    assert not native_rmsnorm.add_rmsnorm(x, x, w, 1e-6, s, torch.zeros(64, 4).t())
+    assert not bool(s.any()) and not bool(out.any())
