@@ -8,6 +8,10 @@ is checked bit-equal before anything is timed; a change that moves a bit is refu
     python bench/kernel_ab.py --kernel amx --old /tmp/moecc-old/runtime/native/_expert_amx*.so \
         [--tokens 96,512,2048,8192] [--json PATH]
 
+Or this tree's build against itself with one of the wrapper's integer settings otherwise for the
+"old" side (no --old): `--old-set DEAL_EXPERTS=1000000` (expert_amx.py's dealing of whole experts
+to the threads, off).
+
 --kernel amx: bf16, one AMX call per layer (native/expert_amx.py); fp32: one AVX-512 call per layer
 (native/expert_fp32.py). Shapes are bench768's experts (hidden 768, intermediate 1,152, 8 experts
 top-2) unless --hidden/--inter say otherwise. Prints ms a layer and the ratio old / new (above 1:
@@ -48,27 +52,41 @@ def load_build(path: Path, name: str) -> ModuleType:
 
 
 def run_layers(wrapper: ModuleType, mod: ModuleType, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
-               banks: list[list[tuple[Any, ...]]]) -> list[torch.Tensor]:
-    """Every layer's experts through build `mod` (wrapper's `layer`): each layer's output [T, H]."""
+               banks: list[list[tuple[Any, ...]]], settings: dict[str, int] | None = None) -> list[torch.Tensor]:
+    """Every layer's experts through build `mod` (wrapper's `layer`), with the wrapper's `settings`
+    (module attributes, put back after): each layer's output [T, H]."""
     wrapper._module = lambda: mod  # the wrapper's checks and scratch, this build's call
     counts = torch.bincount(top_i.flatten(), minlength=E).tolist()
+    saved = {k: getattr(wrapper, k) for k in settings or {}}
     outs = []
-    for bank in banks:
-        out = torch.zeros_like(x)
-        if not wrapper.layer(x, top_w, top_i, counts, dict(enumerate(bank)), out):
-            raise SystemExit("kernel_ab: the kernel declined the layer (not built for this CPU?)")
-        outs.append(out)
+    try:
+        for k, v in (settings or {}).items():
+            setattr(wrapper, k, v)
+        for bank in banks:
+            out = torch.zeros_like(x)
+            if not wrapper.layer(x, top_w, top_i, counts, dict(enumerate(bank)), out):
+                raise SystemExit("kernel_ab: the kernel declined the layer (not built for this CPU?)")
+            outs.append(out)
+    finally:
+        for k, v in saved.items():
+            setattr(wrapper, k, v)
     return outs
 
 
-def compare(kernel: str, old: Path, tokens: list[int], layers: int, H: int, I: int, repeats: int) -> list[dict[str, Any]]:
-    """Per token count: ms a layer of the old build and of this tree's, and their ratio."""
+def compare(kernel: str, old: Path | None, tokens: list[int], layers: int, H: int, I: int, repeats: int,
+            old_set: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """Per token count: ms a layer of the old build (None: this tree's, with the wrapper settings
+    `old_set`) and of this tree's, and their ratio."""
     wrapper, name, dtype = KERNELS[kernel]
     built = wrapper._module()
     if built is None:
         raise SystemExit(f"kernel_ab: this tree's {name} does not run here")
+    for k in old_set or {}:
+        if not isinstance(getattr(wrapper, k, None), int):
+            raise SystemExit(f"kernel_ab: --old-set {k}: {wrapper.__name__} has no integer setting {k}")
     new_path = Path(built.__file__)
-    builds = {"old": load_build(old, name), "new": load_build(new_path, name)}
+    builds = {"old": load_build(old or new_path, name), "new": load_build(new_path, name)}
+    sets = {"old": old_set, "new": None}
     own = wrapper._module  # put back after (run_layers points the wrapper at one build)
     g = torch.Generator().manual_seed(1)
     banks = [[(PackedLinear((torch.randn(2 * I, H, generator=g) * 0.02).to(dtype), 4096, split=I, sections=(I, I)),
@@ -79,14 +97,14 @@ def compare(kernel: str, old: Path, tokens: list[int], layers: int, H: int, I: i
         for T in tokens:
             x = torch.randn(T, H, generator=g).to(dtype)  # [T, H]
             top_w, top_i = torch.topk(torch.randn(T, E, generator=g).softmax(-1), K)  # [T, k]
-            outs = {k: run_layers(wrapper, m, x, top_w, top_i, banks) for k, m in builds.items()}
+            outs = {k: run_layers(wrapper, m, x, top_w, top_i, banks, sets[k]) for k, m in builds.items()}
             if not all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"])):
                 raise SystemExit(f"kernel_ab: the two builds' outputs differ at {T} tokens: not the same bits")
             times: dict[str, list[float]] = {"old": [], "new": []}
             for _ in range(repeats):
                 for k, m in builds.items():
                     t0 = time.perf_counter()
-                    run_layers(wrapper, m, x, top_w, top_i, banks)
+                    run_layers(wrapper, m, x, top_w, top_i, banks, sets[k])
                     times[k].append((time.perf_counter() - t0) / layers)
             r = {"tokens": T, "old_ms": median(times["old"]) * 1e3, "new_ms": median(times["new"]) * 1e3}
             r["old_over_new"] = r["old_ms"] / r["new_ms"]
@@ -101,7 +119,9 @@ def compare(kernel: str, old: Path, tokens: list[int], layers: int, H: int, I: i
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", choices=sorted(KERNELS), required=True)
-    ap.add_argument("--old", type=Path, required=True, help="the other build of the kernel's extension (.so)")
+    ap.add_argument("--old", type=Path, help="the other build of the kernel's extension (.so); default: this tree's")
+    ap.add_argument("--old-set", action="append", default=[], metavar="NAME=INT",
+                    help="the wrapper's integer setting NAME otherwise for the old side (repeatable)")
     ap.add_argument("--tokens", default="96,512,2048,8192", help="a step's tokens (8 experts top-2)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=768)
@@ -109,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", type=Path, default=Path("bench/out/kernel_ab.json"))
     args = ap.parse_args(argv)
+    if args.old is None and not args.old_set:
+        ap.error("give --old (another build), --old-set (a setting otherwise), or both")
+    old_set = {k: int(v) for k, _, v in (s.partition("=") for s in args.old_set)}
     rows = compare(args.kernel, args.old, [int(t) for t in args.tokens.split(",")], args.layers, args.hidden,
-                   args.inter, args.repeats)
+                   args.inter, args.repeats, old_set)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"kernel": args.kernel, "old": str(args.old), "machine": platform.processor(),
+    args.json.write_text(json.dumps({"kernel": args.kernel, "old": str(args.old or "this tree's build"),
+                                     "old_set": old_set, "machine": platform.processor(),
                                      "torch_threads": torch.get_num_threads(), "layers": args.layers,
                                      "hidden": args.hidden, "inter": args.inter, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.json}")

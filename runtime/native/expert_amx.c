@@ -64,6 +64,7 @@ typedef struct {
     uint16_t *a;                             /* [Mp/16, H/32, 16, 32] gathered rows as tiles, pad rows zero */
     uint16_t *h;                             /* [Mp/16, I/32, 16, 32] */
     uint16_t *out; int64_t ldo;              /* [T, H] */
+    uint16_t *y;                             /* [n, H] each row's weighted down result, or NULL: added into out */
     int nth; int64_t next;                   /* threads; the next thread index to hand out */
 } Job;
 
@@ -93,16 +94,23 @@ AMX_TARGET static inline void silu_mul16(uint16_t *h, const float *g, const floa
     _mm256_storeu_si256((__m256i *)h, f2bf16(_mm512_mul_ps(sg, bf16x(f2bf16(_mm512_load_ps(u))))));
 }
 
-/* o += bf16(bf16(c) * w), rounded: expert_rows.c's scale_add_rows on 16 columns. */
-AMX_TARGET static inline void scale_add16(uint16_t *o, const float *c, __m512 w) {
-    const __m512 y = bf16x(f2bf16(_mm512_mul_ps(bf16x(f2bf16(_mm512_load_ps(c))), w)));
-    const __m512 sum = _mm512_add_ps(bf16x(_mm256_loadu_si256((const __m256i *)o)), y);
+/* bf16(bf16(c) * w) on 16 columns: a row's weighted down result, rounded as expert_rows.c's
+ * scale_add_rows rounds it. */
+AMX_TARGET static inline __m256i weighted16(const float *c, __m512 w) {
+    return f2bf16(_mm512_mul_ps(bf16x(f2bf16(_mm512_load_ps(c))), w));
+}
+
+/* o += y, rounded (bf16 both): the add of scale_add_rows on 16 columns. */
+AMX_TARGET static inline void add16(uint16_t *o, __m256i y) {
+    const __m512 sum = _mm512_add_ps(bf16x(_mm256_loadu_si256((const __m256i *)o)), bf16x(y));
     _mm256_storeu_si256((__m256i *)o, f2bf16(sum));
 }
 
 /* The epilogues' rows, Epi.rows: h's 32 columns of the slice for rows [r, upto) (silu of the
  * gate times up; every row of the Mp, pad rows included, so h's pad rows are written), or each
- * routed row's weighted down result added into out[tok[r]]. */
+ * routed row's weighted down result added into out[tok[r]] (down_rows) or kept in y[r]
+ * (down_rows_y: an expert dealt to one thread, whose rows' tokens another thread's expert may
+ * also add into; add_slots adds them later, in expert order). */
 AMX_TARGET static void silu_rows(Epi *e, int64_t upto) {
     const Job *j = (const Job *)e->j;
     for (; e->r < upto; e->r++) {
@@ -121,8 +129,19 @@ AMX_TARGET static void down_rows(Epi *e, int64_t upto) {
             _mm_prefetch((const char *)(j->out + j->tok[ahead] * j->ldo + e->col), _MM_HINT_T0);
         const __m512 w = _mm512_set1_ps(j->tw[e->r]);
         uint16_t *o = j->out + j->tok[e->r] * j->ldo + e->col;
-        scale_add16(o, e->c0[m][0] + r * 16, w);
-        scale_add16(o + 16, e->c0[m][1] + r * 16, w);
+        add16(o, weighted16(e->c0[m][0] + r * 16, w));
+        add16(o + 16, weighted16(e->c0[m][1] + r * 16, w));
+    }
+}
+
+AMX_TARGET static void down_rows_y(Epi *e, int64_t upto) {
+    const Job *j = (const Job *)e->j;
+    for (; e->r < upto; e->r++) {
+        const int64_t m = e->r / 16, r = e->r % 16;
+        const __m512 w = _mm512_set1_ps(j->tw[e->r]);
+        uint16_t *o = j->y + e->r * j->H + e->col;
+        _mm256_storeu_si256((__m256i *)o, weighted16(e->c0[m][0] + r * 16, w));
+        _mm256_storeu_si256((__m256i *)(o + 16), weighted16(e->c0[m][1] + r * 16, w));
     }
 }
 
@@ -171,7 +190,8 @@ AMX_TARGET static void *down(void *arg) {
     Job *j = (Job *)arg;
     tiles_on();
     const int64_t K = j->I, KB = K / 32, MT = j->mp / 16;
-    Epi e = {down_rows, j, NULL, NULL, 0, 0, 0, (j->n + ((MT + 1) / 2) * KB - 1) / (((MT + 1) / 2) * KB)};
+    const int64_t steps = ((MT + 1) / 2) * KB;  /* K steps of a slice: the epilogue's rows spread over them */
+    Epi e = {j->y ? down_rows_y : down_rows, j, NULL, NULL, 0, 0, 0, (j->n + steps - 1) / steps};
     float (*c[2])[2][256] = {c_down[0], c_down[1]};
     int64_t u0, u1;
     int b = 0;
@@ -239,6 +259,74 @@ static void run_expert_rows(Job *j) {
     run_threads(split_rows, &s, j->nth, j->nth);
 }
 
+/* A layer's experts dealt whole to the threads (expert_amx.py's `layer` asks for it where no
+ * expert has more than MAX_ROWS rows and there are several experts a thread): each thread runs
+ * whole experts alone (run_expert on that thread: gather, gate/up, down) in its own scratch
+ * (thread t: a and h from row t * mp, mp the most rows of an expert rounded up to 16), the
+ * experts of most rows first, each taken by whichever thread asks. An expert's weighted down rows
+ * go to y (a row per sorted slot) and add_slots then adds them into out, each token's in expert
+ * order: the bits of the experts run one after another. The threads meet twice a layer instead
+ * of three times an expert, and an expert's rows and h stay in one core's L2. */
+typedef struct {
+    Job base;                                /* tok, tw, y: the layer's sorted slots */
+    const int64_t *at, *gu, *dn, *order;     /* at[e]: expert e's end among the slots; order: experts to run */
+    int64_t experts, mp, next, taken;
+} Deal;
+
+static void *deal_experts(void *arg) {
+    Deal *d = (Deal *)arg;
+    const int64_t t = __atomic_fetch_add(&d->taken, 1, __ATOMIC_RELAXED);  /* this thread's scratch */
+    for (int64_t i; (i = __atomic_fetch_add(&d->next, 1, __ATOMIC_RELAXED)) < d->experts;) {
+        const int64_t e = d->order[i], lo = e ? d->at[e - 1] : 0;
+        Job j = d->base;
+        j.tok += lo, j.tw += lo, j.y += lo * j.H, j.n = d->at[e] - lo, j.mp = (j.n + 15) / 16 * 16;
+        j.gu = (const uint16_t *)(intptr_t)d->gu[e], j.dn = (const uint16_t *)(intptr_t)d->dn[e];
+        j.a += t * d->mp * j.H, j.h += t * d->mp * j.I, j.nth = 1, j.next = 0;
+        run_expert(&j);
+    }
+    return NULL;
+}
+
+/* out[t] += y[p], rounded, for each of token t's slots p (pos[t * k + i]) in expert order: the
+ * sorted slots' order, p ascending. Tokens in runs, one a thread. */
+typedef struct { const int64_t *pos; const uint16_t *y; uint16_t *out; int64_t T, k, H, ldo, next; int nth; } Slots;
+
+AMX_TARGET static void *add_slots(void *arg) {
+    Slots *s = (Slots *)arg;
+    int64_t t0, t1;
+    while (take_run(&s->next, s->nth, s->T, &t0, &t1))
+        for (int64_t t = t0; t < t1; t++) {
+            int64_t p[s->k];
+            for (int64_t i = 0; i < s->k; i++) {  /* insertion sort: k is a handful */
+                int64_t v = s->pos[t * s->k + i], at = i;
+                for (; at > 0 && p[at - 1] > v; at--) p[at] = p[at - 1];
+                p[at] = v;
+            }
+            uint16_t *o = s->out + t * s->ldo;
+            for (int64_t i = 0; i < s->k; i++)
+                for (int64_t c = 0; c < s->H; c += 16)
+                    add16(o + c, _mm256_loadu_si256((const __m256i *)(s->y + p[i] * s->H + c)));
+        }
+    return NULL;
+}
+
+/* The layer's experts with rows dealt (Deal), then their rows added (add_slots). */
+static void deal_layer(const Job *base, const int64_t *at, int64_t E, const int64_t *gu, const int64_t *dn,
+                       const int64_t *pos, int64_t T, int64_t k) {
+    int64_t order[E], experts = 0, most = 0;
+    for (int64_t e = 0; e < E; e++) {  /* non-empty experts, most rows first (insertion: stable) */
+        const int64_t n = at[e] - (e ? at[e - 1] : 0);
+        if (n == 0) continue;
+        int64_t i = experts++;
+        for (; i > 0 && at[order[i - 1]] - (order[i - 1] ? at[order[i - 1] - 1] : 0) < n; i--) order[i] = order[i - 1];
+        order[i] = e, most = n > most ? n : most;
+    }
+    Deal d = {*base, at, gu, dn, order, experts, (most + 15) / 16 * 16, 0, 0};
+    run_threads(deal_experts, &d, base->nth, experts);
+    Slots s = {pos, base->y, base->out, T, k, base->H, base->ldo, 0, base->nth};
+    run_threads(add_slots, &s, base->nth, base->nth);
+}
+
 /* 1: the sizes and layouts the kernel takes (shared by both entries). */
 static int takes(int64_t H, int64_t I, int nb_gu, int nb_dn, int64_t ldx, int64_t ldo) {
     return !(H % 32 || I % 32 || I % nb_gu || H % nb_dn || nb_gu % 32 || nb_dn % 32 || ldx < H || ldo < H);
@@ -253,7 +341,7 @@ int moecc_expert_amx(const uint16_t *x, int64_t ldx, const int64_t *tok, const f
 #ifdef HAVE_AMX
     if (!amx_ready()) return 2;
     if (n < 1 || n > MAX_ROWS || !takes(H, I, nb_gu, nb_dn, ldx, ldo)) return 1;
-    Job j = {x, ldx, tok, tw, n, (n + 15) / 16 * 16, H, I, gu, nb_gu, dn, nb_dn, lut, a, h, out, ldo, 1, 0};
+    Job j = {x, ldx, tok, tw, n, (n + 15) / 16 * 16, H, I, gu, nb_gu, dn, nb_dn, lut, a, h, out, ldo, NULL, 1, 0};
     j.nth = nthreads < 1 ? 1 : nthreads;
     run_expert(&j);
     return 0;
@@ -268,29 +356,40 @@ int moecc_expert_amx(const uint16_t *x, int64_t ldx, const int64_t *tok, const f
  * sorted by expert into tok/tw ([T*k] scratch; a counting sort, slots in order within an expert,
  * as a stable argsort orders them: expert_slots.h), then each expert in order, its rows in runs of
  * MAX_ROWS as moecc_expert_amx runs them, or past MAX_ROWS split between the threads
- * (run_expert_rows): the same bits as one call per run. gu/dn [E]: each expert's packed weights
- * (0 for one no slot names); `a`/`h` scratch for min(most rows of an expert, MAX_ROWS) rows rounded
- * up to 16, or nthreads * MAX_ROWS rows where an expert has more than MAX_ROWS (expert_amx.py's
- * `scratch_rows`). Returns 0, 1 (arguments it does not take, nothing written: an index
- * outside [0, E), a named expert without weights, sizes) or 2 (no AMX here). */
+ * (run_expert_rows); or, given `y` ([T*k, H] scratch) and `pos` ([T*k] scratch), no expert of
+ * more than MAX_ROWS rows, whole experts dealt to the threads (deal_layer). The same bits as one
+ * call per run. gu/dn [E]: each expert's packed weights (0 for one no slot names); `a`/`h` scratch
+ * for min(most rows of an expert, MAX_ROWS) rows rounded up to 16, nthreads times that when
+ * dealt, or nthreads * MAX_ROWS rows where an expert has more than MAX_ROWS (expert_amx.py's
+ * `layer`). Returns 0, 1 (arguments it does not take, nothing written: an index outside [0, E), a
+ * named expert without weights, sizes, y with an expert past MAX_ROWS) or 2 (no AMX here). */
 int moecc_expert_amx_layer(const uint16_t *x, int64_t ldx, int64_t T, int64_t k, const int64_t *top_i,
                            const float *top_w, int64_t E, const int64_t *gu, const int64_t *dn, int64_t H, int64_t I,
                            int nb_gu, int nb_dn, const float *lut, int64_t *tok, float *tw, uint16_t *a, uint16_t *h,
-                           uint16_t *out, int64_t ldo, int nthreads) {
+                           uint16_t *out, int64_t ldo, uint16_t *y, int64_t *pos, int nthreads) {
 #ifdef HAVE_AMX
     if (!amx_ready()) return 2;
-    if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || !takes(H, I, nb_gu, nb_dn, ldx, ldo)) return 1;
+    if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || !takes(H, I, nb_gu, nb_dn, ldx, ldo) || (y && !pos)) return 1;
     int64_t at[E];  /* at[e]: expert e's end among the sorted slots */
-    if (sort_slots(T, k, top_i, top_w, E, gu, dn, at, tok, tw)) return 1;
+    if (sort_slots(T, k, top_i, top_w, E, gu, dn, at, tok, tw, pos)) return 1;
+    const int nth = nthreads < 1 ? 1 : nthreads;
+    if (y) {
+        for (int64_t e = 0; e < E; e++)
+            if (at[e] - (e ? at[e - 1] : 0) > MAX_ROWS) return 1;
+        const Job base = {x, ldx, tok, tw, 0, 0, H, I, NULL, nb_gu, NULL, nb_dn, lut, a, h, out, ldo, y, nth, 0};
+        deal_layer(&base, at, E, gu, dn, pos, T, k);
+        return 0;
+    }
     for (int64_t e = 0, lo = 0; e < E; lo = at[e++]) {
         Job j = {x, ldx, tok + lo, tw + lo, at[e] - lo, 0, H, I, (const uint16_t *)(intptr_t)gu[e], nb_gu,
-                 (const uint16_t *)(intptr_t)dn[e], nb_dn, lut, a, h, out, ldo, nthreads < 1 ? 1 : nthreads, 0};
+                 (const uint16_t *)(intptr_t)dn[e], nb_dn, lut, a, h, out, ldo, NULL, nth, 0};
         run_expert_rows(&j);
     }
     return 0;
 #else
     (void)x, (void)ldx, (void)T, (void)k, (void)top_i, (void)top_w, (void)E, (void)gu, (void)dn, (void)H, (void)I;
-    (void)nb_gu, (void)nb_dn, (void)lut, (void)tok, (void)tw, (void)a, (void)h, (void)out, (void)ldo, (void)nthreads;
+    (void)nb_gu, (void)nb_dn, (void)lut, (void)tok, (void)tw, (void)a, (void)h, (void)out, (void)ldo, (void)y;
+    (void)pos, (void)nthreads;
     return 2;
 #endif
 }
@@ -313,15 +412,16 @@ static PyObject *py_expert(PyObject *self, PyObject *const *args, Py_ssize_t n) 
 
 static PyObject *py_layer(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
-    long long v[21];
-    if (int_args(args, n, 21, "layer", 0, v)) return NULL;
+    long long v[23];
+    if (int_args(args, n, 23, "layer", 0, v)) return NULL;
     int rc;
 #define P(i, type) ((type)(intptr_t)v[i])
     Py_BEGIN_ALLOW_THREADS
     rc = moecc_expert_amx_layer(P(0, const uint16_t *), v[1], v[2], v[3], P(4, const int64_t *), P(5, const float *), v[6],
                                 P(7, const int64_t *), P(8, const int64_t *), v[9], v[10], (int)v[11], (int)v[12],
                                 P(13, const float *), P(14, int64_t *), P(15, float *), P(16, uint16_t *),
-                                P(17, uint16_t *), P(18, uint16_t *), v[19], (int)v[20]);
+                                P(17, uint16_t *), P(18, uint16_t *), v[19], P(20, uint16_t *), P(21, int64_t *),
+                                (int)v[22]);
     Py_END_ALLOW_THREADS
 #undef P
     return PyLong_FromLong(rc);
@@ -334,7 +434,7 @@ static PyMethodDef methods[] = {
      "expert(x, ldx, tok, tw, n, H, I, gu, nb_gu, down, nb_down, lut, a, h, out, ldo, nthreads) -> 0, 1 or 2"},
     {"layer", (PyCFunction)(void (*)(void))py_layer, METH_FASTCALL,
      "layer(x, ldx, T, k, top_i, top_w, E, gu[E], down[E], H, I, nb_gu, nb_down, lut, tok, tw, a, h, out, ldo, "
-     "nthreads) -> 0, 1 or 2"},
+     "y, pos, nthreads) -> 0, 1 or 2"},
     PY_READY_METHOD,
     {NULL, NULL, 0, NULL}};
 

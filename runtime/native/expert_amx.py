@@ -8,7 +8,9 @@ spend ~30% of the expert's time outside the GEMMs, which this call does not.
 `layer` runs a whole layer's routed experts in one call (the slots sorted by expert in C): the
 bits of `expert` called expert by expert, without Python between the experts (7-12% of a
 768-hidden layer of 8 experts at 24-512 rows an expert); an expert of more rows than MAX_ROWS (a
-prefill step) has its rows split between the threads, each running whole runs of them alone.
+prefill step) has its rows split between the threads, each running whole runs of them alone; a
+decode step's experts (none past MAX_ROWS, DEAL_EXPERTS a thread or more) are dealt whole to the
+threads, each expert's rows kept apart and added into the output in expert order after them.
 
 `expert` returns False, having done nothing, where it does not apply: not built, no AMX here
 (or MOECC_NO_NATIVE / MOECC_EXPERT_AMX=0), not bf16, a silu-gated expert whose weights are not
@@ -30,6 +32,8 @@ from moecc_runtime.native.expert_rows import _silu_table
 from moecc_runtime.native.packed_layout import raw as _raw
 
 MAX_ROWS = amx_gemm.MAX_ROWS  #: rows per native call (expert_amx.c's MAX_ROWS); more run as several calls
+#: experts a thread (at least) for a layer's experts to be dealt whole to the threads (expert_amx.c's deal_layer)
+DEAL_EXPERTS = 2
 
 
 def _module() -> Any:
@@ -105,15 +109,19 @@ def layer(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, counts: lis
     if len(kinds) != 1 or next(iter(kinds))[1] != x.shape[1]:  # one layout and one shape for every expert
         return False
     ((nb_gu, nb_dn), H, inter), = kinds
-    threads = torch.get_num_threads()
-    rows = scratch_rows(max(counts), threads)
+    threads, most = torch.get_num_threads(), max(counts)
+    deal = threads > 1 and most <= MAX_ROWS and sum(c > 0 for c in counts) >= DEAL_EXPERTS * threads
+    rows = scratch_rows(most, 1) * threads if deal else scratch_rows(most, threads)
     a, h = x.new_empty((rows, H)), x.new_empty((rows, inter))  # [rows, H], [rows, I]: the kernel's scratch
     tok, tw = torch.empty(T * k, dtype=torch.int64), torch.empty(T * k, dtype=torch.float32)  # [T*k] sorted slots
+    y = x.new_empty((T * k, H)) if deal else None  # [T*k, H]: the dealt experts' weighted rows
+    pos = torch.empty(T * k, dtype=torch.int64) if deal else None  # [T*k]: each slot's place among the sorted
     ids, wts = top_i.to(torch.int64).contiguous(), top_w.to(torch.float32).contiguous()  # [T, k]
     at = torch.tensor(gu + dn, dtype=torch.int64)  # [2E]: gate_up's addresses, then down's
     rc = mod.layer(x.data_ptr(), x.stride(0), T, k, ids.data_ptr(), wts.data_ptr(), E, at.data_ptr(),
                    at.data_ptr() + 8 * E, H, inter, nb_gu, nb_dn, _silu_table().data_ptr(), tok.data_ptr(),
-                   tw.data_ptr(), a.data_ptr(), h.data_ptr(), out.data_ptr(), out.stride(0), threads)
+                   tw.data_ptr(), a.data_ptr(), h.data_ptr(), out.data_ptr(), out.stride(0),
+                   0 if y is None else y.data_ptr(), 0 if pos is None else pos.data_ptr(), threads)
     return rc == 0
 
 

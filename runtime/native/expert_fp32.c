@@ -210,7 +210,7 @@ int moecc_expert_fp32_layer(const float *x, int64_t ldx, int64_t T, int64_t k, c
     if (!moecc_expert_fp32_ready()) return 2;
     if (T < 1 || k < 1 || E < 1 || E > MAX_EXPERTS || H % NB || I % NB || ldx < H || ldo < H) return 1;
     int64_t at[E];
-    if (sort_slots(T, k, top_i, top_w, E, gu, dn, at, tok, tw)) return 1;
+    if (sort_slots(T, k, top_i, top_w, E, gu, dn, at, tok, tw, NULL)) return 1;
     const int nth = nthreads < 1 ? 1 : nthreads;
     for (int64_t e = 0, lo = 0; e < E; lo = at[e++])
         for (int64_t r = lo; r < at[e]; r += MAX_ROWS) {

@@ -102,7 +102,8 @@ static inline __attribute__((always_inline)) void norm_row(const Job *j, int64_t
     const float *restrict xf = (const float *)j->x + t * j->xs;
     if (j->b) {  /* x = round(a + b), kept in sum and widened */
         if (j->dtype == DT_BF16) {
-            const uint16_t *restrict a = (const uint16_t *)j->x + t * j->xs, *restrict b = (const uint16_t *)j->b + t * j->bs;
+            const uint16_t *restrict a = (const uint16_t *)j->x + t * j->xs;
+            const uint16_t *restrict b = (const uint16_t *)j->b + t * j->bs;
             uint16_t *restrict s = (uint16_t *)j->sum + t * j->ss;
             for (int64_t c = 0; c < H; c++) s[c] = f2bf(bf2f(a[c]) + bf2f(b[c])), wide[c] = bf2f(s[c]);
         } else {
@@ -194,9 +195,9 @@ static PyObject *py_add_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = moecc_add_rmsnorm((const void *)(intptr_t)v[0], v[1], (const void *)(intptr_t)v[2], v[3], (void *)(intptr_t)v[4],
-                           v[5], v[6], v[7], (const void *)(intptr_t)v[8], (float)eps, (void *)(intptr_t)v[10],
-                           (int)v[11], (int)v[12], (int)v[13]);
+    rc = moecc_add_rmsnorm((const void *)(intptr_t)v[0], v[1], (const void *)(intptr_t)v[2], v[3],
+                           (void *)(intptr_t)v[4], v[5], v[6], v[7], (const void *)(intptr_t)v[8], (float)eps,
+                           (void *)(intptr_t)v[10], (int)v[11], (int)v[12], (int)v[13]);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }

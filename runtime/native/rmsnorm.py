@@ -1,10 +1,10 @@
 """transformers' RMSNorm on the host in one pass over each row (rmsnorm.c,
 `moecc_runtime.native._rmsnorm`), with kernels._rmsnorm's bits; `add_rmsnorm` the residual add
 that makes its input in the same pass (torch's `a + b`, same bits). `rmsnorm` returns None (and
-`add_rmsnorm` False), having done nothing, where it does not apply (not built, MOECC_NO_NATIVE, a GPU tensor, a dtype other
-than fp32 / bf16, x and w not of one dtype, rows wider than the pass takes, torch's CPU kernels
-whose sum adds in an order the pass does not know: `sum_lanes`); the caller then runs torch's
-passes.
+`add_rmsnorm` False), having done nothing, where it does not apply (not built, MOECC_NO_NATIVE,
+a GPU tensor, a dtype other than fp32 / bf16, x and w not of one dtype, rows wider than the pass
+takes, torch's CPU kernels whose sum adds in an order the pass does not know: `sum_lanes`); the
+caller then runs torch's passes.
 """
 
 from __future__ import annotations

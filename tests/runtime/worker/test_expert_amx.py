@@ -268,3 +268,76 @@ def test_the_layer_call_is_one_timed_job_of_the_measured_timeline(tmp_path, monk
         assert not any(".expert." in j[0] for j in trace["jobs"]), phase
         jobs = [j for j in trace["jobs"] if j[0].endswith(".experts")]
         assert len(jobs) == trace["layers"] and all(j[1:3] == ["compute", "gemm"] and j[5] > 0 for j in jobs), phase
+
+
+class _Spy:
+    """The extension with its `layer` calls recorded (whether each was dealt: its y pointer)."""
+
+    def __init__(self, mod) -> None:
+        self.mod, self.dealt = mod, []
+
+    def layer(self, *args):
+        self.dealt.append(args[20] != 0)
+        return self.mod.layer(*args)
+
+
+@settings(max_examples=25, deadline=None)
+@given(E=st.integers(4, 9), k=st.integers(1, 3), T=st.integers(1, 400), empty=st.integers(0, 2),
+       seed=st.integers(0, 2**16))
+@example(E=8, k=2, T=400, empty=0, seed=0)  # a decode step of bench768's routing, 100 rows an expert
+def test_experts_dealt_to_threads_have_the_bits_of_experts_in_order(E: int, k: int, T: int, empty: int,
+                                                                    seed: int) -> None:
+    """A decode step's experts dealt whole to the two threads (each thread its own experts, their
+    weighted rows added into `out` after them, each token's in expert order): the bits of the
+    experts run one after another, over an `out` that already holds values; empty experts and
+    experts of one row included."""
+    k = min(k, E - empty)
+    H, I = 64, 96
+    ws = {e: expert_weights(H, I, e) for e in range(E)}
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(BF16)  # [T, H]
+    logits = torch.randn(T, E, generator=g)
+    logits[:, E - empty:] = -1e9  # experts no token picks
+    top_w, top_i = torch.topk(torch.softmax(logits, -1), k)  # [T, k]
+    counts = torch.bincount(top_i.flatten(), minlength=E).tolist()
+    start = torch.randn(T, H, generator=g).to(BF16)  # [T, H]: what `out` holds before the layer
+    spy = _Spy(expert_amx._module())
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = []
+        for deal in (expert_amx.DEAL_EXPERTS, 10**9):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(expert_amx, "DEAL_EXPERTS", deal)
+                mp.setattr(expert_amx, "_module", lambda: spy)
+                out = start.clone()
+                assert expert_amx.layer(x, top_w, top_i, counts, ws, out)
+                outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert spy.dealt == [sum(c > 0 for c in counts) >= 2 * expert_amx.DEAL_EXPERTS, False]
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
+def test_dealt_layer_declines_an_expert_past_a_run() -> None:
+    """Asked to deal (y and pos given) a layer with an expert of more than MAX_ROWS rows, the C
+    entry declines and writes nothing; `layer` never asks it to."""
+    H, I, E = 64, 96, 4
+    T = expert_amx.MAX_ROWS + 20
+    ws = [expert_weights(H, I, e) for e in range(E)]
+    top_i = torch.tensor([[0, 1 + t % 3] for t in range(T)])  # expert 0: every token
+    top_w = torch.full((T, 2), 0.5)
+    x, out = torch.randn(T, H).to(BF16), torch.zeros(T, H).to(BF16)
+    mod = expert_amx._module()
+    from moecc_runtime.native.expert_rows import _silu_table
+    from moecc_runtime.native.packed_layout import raw
+
+    at = torch.tensor([raw(w[0].packed) for w in ws] + [raw(w[2].packed) for w in ws], dtype=torch.int64)
+    nb = expert_amx._weights(ws[0][0], ws[0][2])
+    rows = 2 * expert_amx.MAX_ROWS
+    a, h, y = x.new_empty((rows, H)), x.new_empty((rows, I)), x.new_empty((2 * T, H))
+    tok, tw, pos = torch.empty(2 * T, dtype=torch.int64), torch.empty(2 * T), torch.empty(2 * T, dtype=torch.int64)
+    rc = mod.layer(x.data_ptr(), H, T, 2, top_i.data_ptr(), top_w.data_ptr(), E, at.data_ptr(), at.data_ptr() + 8 * E,
+                   H, I, nb[0], nb[1], _silu_table().data_ptr(), tok.data_ptr(), tw.data_ptr(), a.data_ptr(),
+                   h.data_ptr(), out.data_ptr(), H, y.data_ptr(), pos.data_ptr(), 2)
+    assert rc == 1 and not bool(out.view(torch.int16).any())
