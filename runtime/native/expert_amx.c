@@ -108,9 +108,9 @@ AMX_TARGET static inline void add16(uint16_t *o, __m256i y) {
 
 /* The epilogues' rows, Epi.rows: h's 32 columns of the slice for rows [r, upto) (silu of the
  * gate times up; every row of the Mp, pad rows included, so h's pad rows are written), or each
- * routed row's weighted down result added into out[tok[r]] (down_rows) or kept in y[r]
- * (down_rows_y: an expert dealt to one thread, whose rows' tokens another thread's expert may
- * also add into; add_slots adds them later, in expert order). */
+ * routed row's weighted down result added into out[tok[r]], or kept in y[r] where the job has y
+ * (an expert dealt to one thread, whose rows' tokens another thread's expert may also add into;
+ * add_slots adds them later, in expert order). */
 AMX_TARGET static void silu_rows(Epi *e, int64_t upto) {
     const Job *j = (const Job *)e->j;
     for (; e->r < upto; e->r++) {
@@ -125,23 +125,17 @@ AMX_TARGET static void down_rows(Epi *e, int64_t upto) {
     const Job *j = (const Job *)e->j;
     for (; e->r < upto; e->r++) {
         const int64_t m = e->r / 16, r = e->r % 16, ahead = e->r + OUT_AHEAD;
+        const __m512 w = _mm512_set1_ps(j->tw[e->r]);
+        const __m256i y0 = weighted16(e->c0[m][0] + r * 16, w), y1 = weighted16(e->c0[m][1] + r * 16, w);
+        if (j->y) {
+            uint16_t *o = j->y + e->r * j->H + e->col;
+            _mm256_storeu_si256((__m256i *)o, y0), _mm256_storeu_si256((__m256i *)(o + 16), y1);
+            continue;
+        }
         if (ahead < e->n)  /* out's rows are the routed tokens' own, scattered: asked for ahead */
             _mm_prefetch((const char *)(j->out + j->tok[ahead] * j->ldo + e->col), _MM_HINT_T0);
-        const __m512 w = _mm512_set1_ps(j->tw[e->r]);
         uint16_t *o = j->out + j->tok[e->r] * j->ldo + e->col;
-        add16(o, weighted16(e->c0[m][0] + r * 16, w));
-        add16(o + 16, weighted16(e->c0[m][1] + r * 16, w));
-    }
-}
-
-AMX_TARGET static void down_rows_y(Epi *e, int64_t upto) {
-    const Job *j = (const Job *)e->j;
-    for (; e->r < upto; e->r++) {
-        const int64_t m = e->r / 16, r = e->r % 16;
-        const __m512 w = _mm512_set1_ps(j->tw[e->r]);
-        uint16_t *o = j->y + e->r * j->H + e->col;
-        _mm256_storeu_si256((__m256i *)o, weighted16(e->c0[m][0] + r * 16, w));
-        _mm256_storeu_si256((__m256i *)(o + 16), weighted16(e->c0[m][1] + r * 16, w));
+        add16(o, y0), add16(o + 16, y1);
     }
 }
 
@@ -191,7 +185,7 @@ AMX_TARGET static void *down(void *arg) {
     tiles_on();
     const int64_t K = j->I, KB = K / 32, MT = j->mp / 16;
     const int64_t steps = ((MT + 1) / 2) * KB;  /* K steps of a slice: the epilogue's rows spread over them */
-    Epi e = {j->y ? down_rows_y : down_rows, j, NULL, NULL, 0, 0, 0, (j->n + steps - 1) / steps};
+    Epi e = {down_rows, j, NULL, NULL, 0, 0, 0, (j->n + steps - 1) / steps};
     float (*c[2])[2][256] = {c_down[0], c_down[1]};
     int64_t u0, u1;
     int b = 0;
@@ -277,7 +271,7 @@ static void *deal_experts(void *arg) {
     Deal *d = (Deal *)arg;
     const int64_t t = __atomic_fetch_add(&d->taken, 1, __ATOMIC_RELAXED);  /* this thread's scratch */
     for (int64_t i; (i = __atomic_fetch_add(&d->next, 1, __ATOMIC_RELAXED)) < d->experts;) {
-        const int64_t e = d->order[i], lo = e ? d->at[e - 1] : 0;
+        const int64_t e = d->order[i], lo = slot_start(d->at, e);
         Job j = d->base;
         j.tok += lo, j.tw += lo, j.y += lo * j.H, j.n = d->at[e] - lo, j.mp = (j.n + 15) / 16 * 16;
         j.gu = (const uint16_t *)(intptr_t)d->gu[e], j.dn = (const uint16_t *)(intptr_t)d->dn[e];
@@ -315,10 +309,10 @@ static void deal_layer(const Job *base, const int64_t *at, int64_t E, const int6
                        const int64_t *pos, int64_t T, int64_t k) {
     int64_t order[E], experts = 0, most = 0;
     for (int64_t e = 0; e < E; e++) {  /* non-empty experts, most rows first (insertion: stable) */
-        const int64_t n = at[e] - (e ? at[e - 1] : 0);
+        const int64_t n = at[e] - slot_start(at, e);
         if (n == 0) continue;
         int64_t i = experts++;
-        for (; i > 0 && at[order[i - 1]] - (order[i - 1] ? at[order[i - 1] - 1] : 0) < n; i--) order[i] = order[i - 1];
+        for (; i > 0 && at[order[i - 1]] - slot_start(at, order[i - 1]) < n; i--) order[i] = order[i - 1];
         order[i] = e, most = n > most ? n : most;
     }
     Deal d = {*base, at, gu, dn, order, experts, (most + 15) / 16 * 16, 0, 0};
@@ -375,7 +369,7 @@ int moecc_expert_amx_layer(const uint16_t *x, int64_t ldx, int64_t T, int64_t k,
     const int nth = nthreads < 1 ? 1 : nthreads;
     if (y) {
         for (int64_t e = 0; e < E; e++)
-            if (at[e] - (e ? at[e - 1] : 0) > MAX_ROWS) return 1;
+            if (at[e] - slot_start(at, e) > MAX_ROWS) return 1;
         const Job base = {x, ldx, tok, tw, 0, 0, H, I, NULL, nb_gu, NULL, nb_dn, lut, a, h, out, ldo, y, nth, 0};
         deal_layer(&base, at, E, gu, dn, pos, T, k);
         return 0;

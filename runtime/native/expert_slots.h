@@ -11,6 +11,9 @@
 
 #define MAX_EXPERTS 4096  /* experts of a layer the layer-wide calls take (their counts on the stack) */
 
+/* Where expert e's sorted slots start (sort_slots' at[e - 1], or 0); at[e] is where they end. */
+static inline int64_t slot_start(const int64_t *at, int64_t e) { return e ? at[e - 1] : 0; }
+
 /* at[e] = the end of expert e's sorted slots (at[e - 1], or 0, its start) for e < E; pos[s] (pos not
  * NULL) = where slot s went among them. Returns 0, or 1 with nothing sorted where a slot names an
  * expert outside [0, E) or one whose weights are missing (gu[e] or dn[e] zero). */
