@@ -1,17 +1,30 @@
 """What the AMX GEMM kernels (expert_amx.py, linear_amx.py) share on the Python side, as
-amx_gemm.h does in C: the packed layout they read (`layout`, found by a probe) and the size of
-their tile scratch (`scratch_rows`) for amx_gemm.h's split of rows between the threads."""
+amx_gemm.h does in C: when their extension runs (`extension`), the packed layout they read
+(`layout`, found by a probe) and the size of their tile scratch (`scratch_rows`) for amx_gemm.h's
+split of rows between the threads."""
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import torch
 
+from moecc_runtime.native import ready_extension
 from moecc_runtime.native.packed_layout import Offsets, matches
 
 MAX_ROWS = 512  #: rows of a run (a chunk) of either kernel (their C MAX_ROWS): 32 tiles of 16
 _NB = (32, 64)  #: output blocks of oneDNN's AB16b{NB}a2b bf16 layouts the kernels read
+
+
+def extension(module: str, symbol: str, switch: str) -> Any:
+    """An AMX GEMM kernel's extension, or None: not built, turned off (`switch`), no AMX on this
+    CPU/OS (native.ready_extension), or a torch that does not let its oneDNN tensors' bytes be read
+    (both kernels read PackedLinear's packed bytes in place)."""
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+        return None
+    return ready_extension(module, symbol, switch)
 
 
 @lru_cache(maxsize=None)

@@ -216,6 +216,21 @@ static void run_expert(Job *j) {
     run_threads(down, j, j->nth, j->nth);
 }
 
+/* j narrowed to its rows [r0, r0 + n): tok, tw (and y) from r0, Mp rounded up to 16. */
+static inline Job rows_of(const Job *j, int64_t r0, int64_t n) {
+    Job p = *j;
+    p.tok += r0, p.tw += r0, p.n = n, p.mp = (n + 15) / 16 * 16, p.next = 0;
+    if (p.y) p.y += r0 * p.H;
+    return p;
+}
+
+/* run_expert on this thread alone, in thread t's share of the scratch (`rows` rows of a and of h:
+ * split_rows' and deal_experts' own scratch a thread). */
+static void run_alone(Job *j, int64_t t, int64_t rows) {
+    j->a += t * rows * j->H, j->h += t * rows * j->I, j->nth = 1;
+    run_expert(j);
+}
+
 /* An expert's rows split between the threads (more rows than MAX_ROWS: amx_gemm.h's chunk_rows),
  * each chunk run whole by one thread (gather, gate/up, down, run_expert on that thread alone) in
  * its own scratch (thread t: a and h from row t * MAX_ROWS), so a chunk's rows and h stay in its
@@ -229,10 +244,8 @@ static void *split_rows(void *arg) {
     const int64_t t = __atomic_fetch_add(&s->taken, 1, __ATOMIC_RELAXED);  /* this thread's scratch */
     int64_t r0, n;
     while (take_chunk(&s->next, s->rows, s->base.n, &r0, &n)) {
-        Job j = s->base;
-        j.tok += r0, j.tw += r0, j.n = n;
-        j.mp = (n + 15) / 16 * 16, j.a += t * MAX_ROWS * j.H, j.h += t * MAX_ROWS * j.I, j.nth = 1, j.next = 0;
-        run_expert(&j);
+        Job j = rows_of(&s->base, r0, n);
+        run_alone(&j, t, MAX_ROWS);
     }
     return NULL;
 }
@@ -242,9 +255,7 @@ static void *split_rows(void *arg) {
 static void run_expert_rows(Job *j) {
     if (j->n <= MAX_ROWS || j->nth < 2) {
         for (int64_t r = 0; r < j->n; r += MAX_ROWS) {
-            Job part = *j;
-            part.tok += r, part.tw += r, part.n = j->n - r < MAX_ROWS ? j->n - r : MAX_ROWS;
-            part.mp = (part.n + 15) / 16 * 16, part.next = 0;
+            Job part = rows_of(j, r, j->n - r < MAX_ROWS ? j->n - r : MAX_ROWS);
             run_expert(&part);
         }
         return;
@@ -272,11 +283,9 @@ static void *deal_experts(void *arg) {
     const int64_t t = __atomic_fetch_add(&d->taken, 1, __ATOMIC_RELAXED);  /* this thread's scratch */
     for (int64_t i; (i = __atomic_fetch_add(&d->next, 1, __ATOMIC_RELAXED)) < d->experts;) {
         const int64_t e = d->order[i], lo = slot_start(d->at, e);
-        Job j = d->base;
-        j.tok += lo, j.tw += lo, j.y += lo * j.H, j.n = d->at[e] - lo, j.mp = (j.n + 15) / 16 * 16;
+        Job j = rows_of(&d->base, lo, d->at[e] - lo);
         j.gu = (const uint16_t *)(intptr_t)d->gu[e], j.dn = (const uint16_t *)(intptr_t)d->dn[e];
-        j.a += t * d->mp * j.H, j.h += t * d->mp * j.I, j.nth = 1, j.next = 0;
-        run_expert(&j);
+        run_alone(&j, t, d->mp);
     }
     return NULL;
 }

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.native import amx_gemm, ready_extension
+from moecc_runtime.native import amx_gemm
 from moecc_runtime.native.amx_gemm import layout, scratch_rows
 from moecc_runtime.native.expert_rows import _silu_table
 from moecc_runtime.native.packed_layout import raw as _raw
@@ -37,12 +37,8 @@ DEAL_EXPERTS = 2
 
 
 def _module() -> Any:
-    """The extension, or None: not built, turned off, no AMX on this CPU/OS (native.ready_extension),
-    or a torch that does not let its oneDNN tensors' bytes be read."""
-    ops = torch.ops.mkldnn
-    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
-        return None
-    return ready_extension("_expert_amx", "moecc_expert_amx", "MOECC_EXPERT_AMX")
+    """The extension, or None where it does not run (amx_gemm.extension)."""
+    return amx_gemm.extension("_expert_amx", "moecc_expert_amx", "MOECC_EXPERT_AMX")
 
 
 def expert(x: torch.Tensor, tok: torch.Tensor, tw: torch.Tensor, gate_up: Any, down: Any,

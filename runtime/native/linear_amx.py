@@ -19,18 +19,14 @@ from typing import Any
 
 import torch
 
-from moecc_runtime.native import ready_extension
+from moecc_runtime.native import amx_gemm
 from moecc_runtime.native.amx_gemm import layout, scratch_rows
 from moecc_runtime.native.packed_layout import raw
 
 
 def _module() -> Any:
-    """The extension, or None: not built, turned off, no AMX on this CPU/OS, or a torch that does
-    not let its oneDNN tensors' bytes be read."""
-    ops = torch.ops.mkldnn
-    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
-        return None
-    return ready_extension("_linear_amx", "moecc_linear_amx", "MOECC_LINEAR_AMX")
+    """The extension, or None where it does not run (amx_gemm.extension)."""
+    return amx_gemm.extension("_linear_amx", "moecc_linear_amx", "MOECC_LINEAR_AMX")
 
 
 def linear(x: torch.Tensor, w: Any) -> torch.Tensor | None:
