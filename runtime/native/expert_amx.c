@@ -25,9 +25,10 @@
  *
  * Work: three parallel passes on torch's OpenMP team (cpu.h), on amx_gemm.h's tile machinery: the
  * gather by rows (row_items.h); gate/up by units of nb outputs of each half, down by units of nb
- * outputs, each thread a contiguous run of units.
- * A unit's inputs run in blocks of KBLK steps over all row tiles (its weight tiles for a block
- * are read from memory once, from L1 for the other row tiles); gate/up takes 32 outputs of a half
+ * outputs, each thread a contiguous run of units, over the rows in blocks that stay in L2
+ * (amx_gemm.h's block_tiles: one block up to 512 rows of 1,280 inputs; down's 3,584 inputs in
+ * three). A unit's inputs run in blocks of KBLK steps over the block's row tiles (its weight tiles
+ * for a step block are read once, from L1 for the other row tiles); gate/up takes 32 outputs of a half
  * at a time, both 64-byte halves of the packed 128-byte rows, so the weights stream as whole
  * lines in address order (not alternate halves of each line in two passes); the next unit's weight block
  * (a contiguous run per half) is asked for a few lines at each step, paced so the line fill buffers
@@ -154,21 +155,27 @@ AMX_TARGET static void *gate_up(void *arg) {
     tiles_on();
     const int64_t K = j->H, KB = K / 32, MT = j->mp / 16, I = j->I;
     const int nb = j->nb_gu;
-    const int64_t run = K * nb, steps = (nb / 16) * ((MT + 1) / 2) * KB;
+    const int64_t run = K * nb, bt = block_tiles(MT, K);
     Epi e = {silu_rows, j, NULL, NULL, 0, 0, 0, (j->mp + 2 * ((MT + 1) / 2) * KB - 1) / (2 * ((MT + 1) / 2) * KB)};
     int64_t u0, u1, b = 0;
     while (next_run(j, I / nb, &u0, &u1))
-        for (int64_t un = u0; un < u1; un++) {
-            Pf pf = pf_blocks(j->gu, (un + 1) * run, (I / nb + un + 1) * run, run * 2, steps, un + 1 >= u1);
-            for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, b ^= 1) {
-                const int64_t o = 32 * s;  /* the slice's first output of each half */
-                slice_tiles(j->a, MT, j->gu + tile_at(o, 0, K, nb), j->gu + tile_at(o + 16, 0, K, nb), 32 * nb,
-                            nb * 4, KB, &pf, &e, c_gate[b]);
-                slice_tiles(j->a, MT, j->gu + tile_at(I + o, 0, K, nb), j->gu + tile_at(I + o + 16, 0, K, nb),
-                            32 * nb, nb * 4, KB, &pf, &e, c_up[b]);
-                epi_finish(&e);
-                e.c0 = (const float (*)[2][256])c_gate[b], e.c1 = (const float (*)[2][256])c_up[b];
-                e.col = o, e.r = 0, e.n = j->mp;
+        for (int64_t t0 = 0, t1; t0 < MT; t0 = t1) {  /* the rows in blocks (amx_gemm.h's block_tiles) */
+            t1 = t0 + bt < MT ? t0 + bt : MT;
+            const uint16_t *a = j->a + t0 * KB * 512;
+            const int64_t steps = (nb / 16) * ((t1 - t0 + 1) / 2) * KB;
+            for (int64_t un = u0; un < u1; un++) {
+                const int64_t next = unit_after(un, u0, u1, t1, MT);
+                Pf pf = pf_blocks(j->gu, next < 0 ? 0 : next * run, (I / nb + next) * run, run * 2, steps, next < 0);
+                for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, b ^= 1) {
+                    const int64_t o = 32 * s;  /* the slice's first output of each half */
+                    slice_tiles(a, t1 - t0, j->gu + tile_at(o, 0, K, nb), j->gu + tile_at(o + 16, 0, K, nb), 32 * nb,
+                                nb * 4, KB, &pf, &e, c_gate[b] + t0);
+                    slice_tiles(a, t1 - t0, j->gu + tile_at(I + o, 0, K, nb), j->gu + tile_at(I + o + 16, 0, K, nb),
+                                32 * nb, nb * 4, KB, &pf, &e, c_up[b] + t0);
+                    epi_finish(&e);
+                    e.c0 = (const float (*)[2][256])c_gate[b], e.c1 = (const float (*)[2][256])c_up[b];
+                    e.col = o, e.r = 16 * t0, e.n = 16 * t1;
+                }
             }
         }
     epi_finish(&e);

@@ -100,6 +100,20 @@ def test_as_close_as_the_unfused_path_where_onednn_splits_the_sum(n: int) -> Non
     assert err.mean() <= 1.05 * ref_err.mean() and err.max() <= 1.25 * ref_err.max()
 
 
+@pytest.mark.parametrize("H,I,n", [(64, 3584, 300), (3584, 64, 300), (32, 4096, 512)])
+def test_rows_in_blocks_have_the_bits_of_rows_run_alone(H: int, I: int, n: int) -> None:
+    """Past amx_gemm.h's ROWS_L2 a pass runs its rows in blocks (down's 3,584 inputs at 300 rows:
+    two blocks; gate/up's at H 3,584 likewise): each routed row has the bits it has in a run of
+    its own 16 rows (one block), so the blocks change no sum."""
+    w = expert_weights(H, I, 11)
+    x, tok, tw, out = case(n + 40, H, I, n, 11)
+    alone = out.clone()
+    for r in range(0, n, 16):
+        assert expert_amx.expert(x, tok[r:r + 16], tw[r:r + 16], w[0], w[2], alone)
+    assert expert_amx.expert(x, tok, tw, w[0], w[2], out)
+    assert torch.equal(out.view(torch.int16), alone.view(torch.int16))
+
+
 def test_untouched_rows_stay() -> None:
     """Only the routed tokens' rows of `out` change."""
     w = expert_weights(64, 96, 3)

@@ -116,6 +116,18 @@ def test_streaming_and_plain_stores_give_the_same_bits_and_nothing_else_is_writt
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
+@pytest.mark.parametrize("M", [300, 1100])
+def test_rows_in_blocks_have_the_bits_of_rows_run_alone(M: int) -> None:
+    """Past amx_gemm.h's ROWS_L2 (3,584 inputs: more than 176 rows) a chunk's rows run in blocks:
+    each row has the bits it has in a run of its own 16 rows, so the blocks change no sum."""
+    _, pl = weight(64, 3584, 13)
+    x = rows(M, 3584, 13)
+    with two_threads():
+        y = linear_amx.linear(x, pl)
+        alone = torch.cat([linear_amx.linear(x[r:r + 16], pl) for r in range(0, M, 16)])
+    assert torch.equal(y.view(torch.int16), alone.view(torch.int16))
+
+
 def test_rows_of_a_wider_tensor_and_leading_dims(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows spaced wider than K (a column slice) and a [B, T, K] input: oneDNN's values and shapes."""
     _, pl = weight(64, 96, 7)
