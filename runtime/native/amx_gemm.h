@@ -175,10 +175,15 @@ static inline int64_t block_tiles(int64_t MT, int64_t K) {
     return (MT + blocks - 1) / blocks;
 }
 
-/* The unit after un of a pass over units [u0, u1) in row blocks (block_tiles): the next one, or
- * the first again for the next block; -1 after the last block's last. */
-static inline int64_t unit_after(int64_t un, int64_t u0, int64_t u1, int64_t t1, int64_t MT) {
-    return un + 1 < u1 ? un + 1 : t1 < MT ? u0 : -1;
+/* The prefetch, during unit un of a pass over units [u0, u1) in row blocks (block_tiles), of the
+ * unit after it: the next one, or the first again for the next block (none after the last
+ * block's last). A unit is a run of `run` elements of w, and where `half` > 0 also the run `half`
+ * units on (gate/up's up half); `steps` K steps spread the lines. */
+static inline Pf pf_after(const uint16_t *w, int64_t un, int64_t u0, int64_t u1, int64_t t1, int64_t MT, int64_t run,
+                          int64_t half, int64_t steps) {
+    const int64_t next = un + 1 < u1 ? un + 1 : t1 < MT ? u0 : -1;
+    const int64_t r0 = next < 0 ? 0 : next * run;
+    return pf_blocks(w, r0, half > 0 ? r0 + half * run : -1, run * 2, steps, next < 0);
 }
 
 /* The outputs of units [u0, u1) (nb outputs each, nb/32 slices of 32) of weight w (packed nb, K
@@ -194,8 +199,7 @@ AMX_TARGET static inline void units_tiles(const uint16_t *a, int64_t MT, const u
         t1 = t0 + bt < MT ? t0 + bt : MT;
         const int64_t steps = (nb / 32) * ((t1 - t0 + 1) / 2) * KB;
         for (int64_t un = u0; un < u1; un++) {
-            const int64_t next = unit_after(un, u0, u1, t1, MT);
-            Pf pf = pf_blocks(w, next < 0 ? 0 : next * run, -1, run * 2, steps, next < 0);
+            Pf pf = pf_after(w, un, u0, u1, t1, MT, run, 0, steps);
             for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, *b ^= 1) {
                 slice_tiles(a + t0 * KB * 512, t1 - t0, w + tile_at(32 * s, 0, K, nb), w + tile_at(32 * s + 16, 0, K, nb),
                             32 * nb, nb * 4, KB, &pf, e, c[*b] + t0);

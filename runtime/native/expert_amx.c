@@ -164,8 +164,7 @@ AMX_TARGET static void *gate_up(void *arg) {
             const uint16_t *a = j->a + t0 * KB * 512;
             const int64_t steps = (nb / 16) * ((t1 - t0 + 1) / 2) * KB;
             for (int64_t un = u0; un < u1; un++) {
-                const int64_t next = unit_after(un, u0, u1, t1, MT);
-                Pf pf = pf_blocks(j->gu, next < 0 ? 0 : next * run, (I / nb + next) * run, run * 2, steps, next < 0);
+                Pf pf = pf_after(j->gu, un, u0, u1, t1, MT, run, I / nb, steps);
                 for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, b ^= 1) {
                     const int64_t o = 32 * s;  /* the slice's first output of each half */
                     slice_tiles(a, t1 - t0, j->gu + tile_at(o, 0, K, nb), j->gu + tile_at(o + 16, 0, K, nb), 32 * nb,
