@@ -16,6 +16,9 @@ to the threads, off).
 (native/expert_fp32.py). Shapes are bench768's experts (hidden 768, intermediate 1,152, 8 experts
 top-2) unless --hidden/--inter say otherwise. Prints ms a layer and the ratio old / new (above 1:
 the tree's build is faster), medians of --repeats, and writes JSON (--json).
+
+--kernel linear: the bf16 projection (native/linear_amx.py, `_linear_amx`) at each of --shapes
+(rows x inputs x outputs), ms a call (five calls a timing), the outputs checked equal the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 
 from moecc_runtime.memory.packed_weights import PackedLinear
-from moecc_runtime.native import expert_amx, expert_fp32, threads
+from moecc_runtime.native import expert_amx, expert_fp32, linear_amx, threads
 
 KERNELS = {"amx": (expert_amx, "_expert_amx", torch.bfloat16), "fp32": (expert_fp32, "_expert_fp32", torch.float32)}
 E, K = 8, 2
@@ -116,9 +119,47 @@ def compare(kernel: str, old: Path | None, tokens: list[int], layers: int, H: in
     return rows
 
 
+def compare_linear(old: Path | None, shapes: list[tuple[int, int, int]], repeats: int) -> list[dict[str, Any]]:
+    """Per shape (M, K, N): ms a call of the old build of _linear_amx (None: this tree's) and of
+    this tree's on the same packed weight and rows, and their ratio; outputs equal first."""
+    built = linear_amx._module()
+    if built is None:
+        raise SystemExit("kernel_ab: this tree's _linear_amx does not run here")
+    new_path = Path(built.__file__)
+    builds = {"old": load_build(old or new_path, "_linear_amx"), "new": load_build(new_path, "_linear_amx")}
+    own, g, rows = linear_amx._module, torch.Generator().manual_seed(1), []
+
+    def calls(mod: ModuleType, x: torch.Tensor, w: PackedLinear, n: int) -> torch.Tensor:
+        linear_amx._module = lambda: mod
+        for _ in range(n):
+            y = linear_amx.linear(x, w)
+        return y
+
+    try:
+        for M, Kin, N in shapes:
+            w = PackedLinear((torch.randn(N, Kin, generator=g) * 0.02).to(torch.bfloat16), 4096)
+            x = torch.randn(M, Kin, generator=g).to(torch.bfloat16)  # [M, K]
+            if not torch.equal(calls(builds["old"], x, w, 1), calls(builds["new"], x, w, 1)):
+                raise SystemExit(f"kernel_ab: the two builds' outputs differ at {M}x{Kin}x{N}: not the same bits")
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            for _ in range(repeats):
+                for k, m in builds.items():
+                    t0 = time.perf_counter()
+                    calls(m, x, w, 5)
+                    times[k].append((time.perf_counter() - t0) / 5)
+            r = {"shape": [M, Kin, N], "old_ms": median(times["old"]) * 1e3, "new_ms": median(times["new"]) * 1e3}
+            r["old_over_new"] = r["old_ms"] / r["new_ms"]
+            rows.append(r)
+            print(f"linear {M}x{Kin}x{N}: old {r['old_ms']:8.3f} ms a call  new {r['new_ms']:8.3f}  "
+                  f"old/new {r['old_over_new']:.3f}  (same bits)", flush=True)
+    finally:
+        linear_amx._module = own
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernel", choices=sorted(KERNELS), required=True)
+    ap.add_argument("--kernel", choices=sorted(KERNELS) + ["linear"], required=True)
     ap.add_argument("--old", type=Path, help="the other build of the kernel's extension (.so); default: this tree's")
     ap.add_argument("--old-set", action="append", default=[], metavar="NAME=INT",
                     help="the wrapper's integer setting NAME otherwise for the old side (repeatable)")
@@ -127,13 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--inter", type=int, default=1152)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--shapes", default="8192x768x1152,4096x1024x1536,512x768x8192,256x768x1152",
+                    help="--kernel linear: rows x inputs x outputs, comma-separated")
     ap.add_argument("--json", type=Path, default=Path("bench/out/kernel_ab.json"))
     args = ap.parse_args(argv)
     if args.old is None and not args.old_set:
         ap.error("give --old (another build), --old-set (a setting otherwise), or both")
     old_set = {k: int(v) for k, _, v in (s.partition("=") for s in args.old_set)}
-    rows = compare(args.kernel, args.old, [int(t) for t in args.tokens.split(",")], args.layers, args.hidden,
-                   args.inter, args.repeats, old_set)
+    if args.kernel == "linear":
+        if old_set:
+            ap.error("--kernel linear takes --old only (its wrapper has no integer settings)")
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        rows = compare_linear(args.old, shapes, args.repeats)  # type: ignore[arg-type]
+    else:
+        rows = compare(args.kernel, args.old, [int(t) for t in args.tokens.split(",")], args.layers, args.hidden,
+                       args.inter, args.repeats, old_set)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"kernel": args.kernel, "old": str(args.old or "this tree's build"),
                                      "old_set": old_set, "machine": platform.processor(),
