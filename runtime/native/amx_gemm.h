@@ -188,23 +188,31 @@ static inline Pf pf_after(const uint16_t *w, int64_t un, int64_t u0, int64_t u1,
 
 /* The outputs of units [u0, u1) (nb outputs each, nb/32 slices of 32) of weight w (packed nb, K
  * inputs) for every one of a's MT row tiles, the rows in blocks (block_tiles): each slice through
- * slice_tiles into C buffer c[*b] (*b toggled a slice; row tile m at c[*b][m]), the next unit's
- * weights asked for during the unit, and each slice's result handed to e (its block's rows below
- * n, the slice's column) while the next slice's tiles run. The last slice's epilogue is left
- * pending: the caller finishes it (epi_finish) after its last call. */
+ * slice_tiles into C buffer c[*b] (*b toggled a slice; row tile m at c[*b][m]), and where `half`
+ * > 0 the same slice of the weight's second half (`half` units on: gate/up's up) into c2[*b]
+ * after it; the next unit's weights asked for during the unit, and each slice's result (c0, and
+ * c1 from c2) handed to e (its block's rows below n, the slice's column) while the next slice's
+ * tiles run. The last slice's epilogue is left pending: the caller finishes it (epi_finish) after
+ * its last call. */
 AMX_TARGET static inline void units_tiles(const uint16_t *a, int64_t MT, const uint16_t *w, int64_t K, int nb,
-                                          int64_t u0, int64_t u1, int64_t n, Epi *e, float (*c[2])[2][256], int *b) {
-    const int64_t KB = K / 32, run = K * nb, bt = block_tiles(MT, K);
+                                          int64_t half, int64_t u0, int64_t u1, int64_t n, Epi *e,
+                                          float (*c[2])[2][256], float (*c2[2])[2][256], int *b) {
+    const int64_t KB = K / 32, run = K * nb, bt = block_tiles(MT, K), second = half * nb;  /* second half's output 0 */
     for (int64_t t0 = 0, t1; t0 < MT; t0 = t1) {
         t1 = t0 + bt < MT ? t0 + bt : MT;
-        const int64_t steps = (nb / 32) * ((t1 - t0 + 1) / 2) * KB;
+        const uint16_t *at = a + t0 * KB * 512;
+        const int64_t steps = (half > 0 ? 2 : 1) * (nb / 32) * ((t1 - t0 + 1) / 2) * KB;
         for (int64_t un = u0; un < u1; un++) {
-            Pf pf = pf_after(w, un, u0, u1, t1, MT, run, 0, steps);
-            for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, *b ^= 1) {
-                slice_tiles(a + t0 * KB * 512, t1 - t0, w + tile_at(32 * s, 0, K, nb), w + tile_at(32 * s + 16, 0, K, nb),
-                            32 * nb, nb * 4, KB, &pf, e, c[*b] + t0);
+            Pf pf = pf_after(w, un, u0, u1, t1, MT, run, half, steps);
+            for (int64_t o = un * nb; o < (un + 1) * nb; o += 32, *b ^= 1) {  /* a slice: outputs o .. o + 31 */
+                slice_tiles(at, t1 - t0, w + tile_at(o, 0, K, nb), w + tile_at(o + 16, 0, K, nb), 32 * nb, nb * 4, KB,
+                            &pf, e, c[*b] + t0);
+                if (half > 0)
+                    slice_tiles(at, t1 - t0, w + tile_at(second + o, 0, K, nb), w + tile_at(second + o + 16, 0, K, nb),
+                                32 * nb, nb * 4, KB, &pf, e, c2[*b] + t0);
                 epi_finish(e);
-                e->c0 = (const float (*)[2][256])c[*b], e->col = 32 * s, e->r = 16 * t0, e->n = 16 * t1 < n ? 16 * t1 : n;
+                e->c0 = (const float (*)[2][256])c[*b], e->c1 = half > 0 ? (const float (*)[2][256])c2[*b] : NULL;
+                e->col = o, e->r = 16 * t0, e->n = 16 * t1 < n ? 16 * t1 : n;
             }
         }
     }

@@ -154,29 +154,12 @@ AMX_TARGET static void *gate_up(void *arg) {
     Job *j = (Job *)arg;
     tiles_on();
     const int64_t K = j->H, KB = K / 32, MT = j->mp / 16, I = j->I;
-    const int nb = j->nb_gu;
-    const int64_t run = K * nb, bt = block_tiles(MT, K);
     Epi e = {silu_rows, j, NULL, NULL, 0, 0, 0, (j->mp + 2 * ((MT + 1) / 2) * KB - 1) / (2 * ((MT + 1) / 2) * KB)};
-    int64_t u0, u1, b = 0;
-    while (next_run(j, I / nb, &u0, &u1))
-        for (int64_t t0 = 0, t1; t0 < MT; t0 = t1) {  /* the rows in blocks (amx_gemm.h's block_tiles) */
-            t1 = t0 + bt < MT ? t0 + bt : MT;
-            const uint16_t *a = j->a + t0 * KB * 512;
-            const int64_t steps = (nb / 16) * ((t1 - t0 + 1) / 2) * KB;
-            for (int64_t un = u0; un < u1; un++) {
-                Pf pf = pf_after(j->gu, un, u0, u1, t1, MT, run, I / nb, steps);
-                for (int64_t s = un * nb / 32; s < (un + 1) * nb / 32; s++, b ^= 1) {
-                    const int64_t o = 32 * s;  /* the slice's first output of each half */
-                    slice_tiles(a, t1 - t0, j->gu + tile_at(o, 0, K, nb), j->gu + tile_at(o + 16, 0, K, nb), 32 * nb,
-                                nb * 4, KB, &pf, &e, c_gate[b] + t0);
-                    slice_tiles(a, t1 - t0, j->gu + tile_at(I + o, 0, K, nb), j->gu + tile_at(I + o + 16, 0, K, nb),
-                                32 * nb, nb * 4, KB, &pf, &e, c_up[b] + t0);
-                    epi_finish(&e);
-                    e.c0 = (const float (*)[2][256])c_gate[b], e.c1 = (const float (*)[2][256])c_up[b];
-                    e.col = o, e.r = 16 * t0, e.n = 16 * t1;
-                }
-            }
-        }
+    float (*c[2])[2][256] = {c_gate[0], c_gate[1]}, (*c2[2])[2][256] = {c_up[0], c_up[1]};
+    int64_t u0, u1;
+    int b = 0;
+    while (next_run(j, I / j->nb_gu, &u0, &u1))  /* units of the gate half; the up half I / nb units on */
+        units_tiles(j->a, MT, j->gu, K, j->nb_gu, I / j->nb_gu, u0, u1, j->mp, &e, c, c2, &b);
     epi_finish(&e);
     _tile_release();
     return NULL;
@@ -195,7 +178,8 @@ AMX_TARGET static void *down(void *arg) {
     float (*c[2])[2][256] = {c_down[0], c_down[1]};
     int64_t u0, u1;
     int b = 0;
-    while (next_run(j, j->H / j->nb_dn, &u0, &u1)) units_tiles(j->h, MT, j->dn, K, j->nb_dn, u0, u1, j->n, &e, c, &b);
+    while (next_run(j, j->H / j->nb_dn, &u0, &u1))
+        units_tiles(j->h, MT, j->dn, K, j->nb_dn, 0, u0, u1, j->n, &e, c, NULL, &b);
     epi_finish(&e);
     _tile_release();
     return NULL;

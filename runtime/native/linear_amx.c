@@ -86,7 +86,7 @@ AMX_TARGET static void chunk_units(const Chunk *c, int64_t u0, int64_t u1) {
     Epi e = {store_rows, c, NULL, NULL, 0, 0, 0, (c->n + pairs * KB - 1) / (pairs * KB)};
     float (*bufs[2])[2][256] = {c_out[0], c_out[1]};
     int b = 0;
-    units_tiles(c->a, MT, j->w, j->K, j->nb, u0, u1, c->n, &e, bufs, &b);
+    units_tiles(c->a, MT, j->w, j->K, j->nb, 0, u0, u1, c->n, &e, bufs, NULL, &b);
     epi_finish(&e);
 }
 
