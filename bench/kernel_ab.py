@@ -29,6 +29,7 @@ import importlib.util
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 from types import ModuleType
@@ -52,6 +53,30 @@ def load_build(path: Path, name: str) -> ModuleType:
     spec.loader.exec_module(mod)
     threads.hand_over(ctypes.CDLL(str(path)))
     return mod
+
+
+def two_builds(wrapper: ModuleType, name: str, old: Path | None) -> dict[str, ModuleType]:
+    """{"old": build `old` (None: this tree's again), "new": this tree's} of extension `name`,
+    whose wrapper module is `wrapper`."""
+    built = wrapper._module()
+    if built is None:
+        raise SystemExit(f"kernel_ab: this tree's {name} does not run here")
+    new_path = Path(built.__file__)
+    return {"old": load_build(old or new_path, name), "new": load_build(new_path, name)}
+
+
+def alternated(run: Callable[[str], object], repeats: int, per: int) -> dict[str, float]:
+    """run("old") and run("new") timed in turn, `repeats` times each (one timing covers `per`
+    layers or calls): their medians in ms a layer or call, and old / new."""
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    for _ in range(repeats):
+        for k, ts in times.items():
+            t0 = time.perf_counter()
+            run(k)
+            ts.append((time.perf_counter() - t0) / per)
+    r = {"old_ms": median(times["old"]) * 1e3, "new_ms": median(times["new"]) * 1e3}
+    r["old_over_new"] = r["old_ms"] / r["new_ms"]
+    return r
 
 
 def run_layers(wrapper: ModuleType, mod: ModuleType, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
@@ -81,16 +106,12 @@ def compare(kernel: str, old: Path | None, tokens: list[int], layers: int, H: in
     """Per token count: ms a layer of the old build (None: this tree's, with the wrapper settings
     `old_set`) and of this tree's, and their ratio."""
     wrapper, name, dtype = KERNELS[kernel]
-    built = wrapper._module()
-    if built is None:
-        raise SystemExit(f"kernel_ab: this tree's {name} does not run here")
     for k in old_set or {}:
         if not isinstance(getattr(wrapper, k, None), int):
             raise SystemExit(f"kernel_ab: --old-set {k}: {wrapper.__name__} has no integer setting {k}")
-    new_path = Path(built.__file__)
-    builds = {"old": load_build(old or new_path, name), "new": load_build(new_path, name)}
-    sets = {"old": old_set, "new": None}
     own = wrapper._module  # put back after (run_layers points the wrapper at one build)
+    builds = two_builds(wrapper, name, old)
+    sets = {"old": old_set, "new": None}
     g = torch.Generator().manual_seed(1)
     banks = [[(PackedLinear((torch.randn(2 * I, H, generator=g) * 0.02).to(dtype), 4096, split=I, sections=(I, I)),
                None, PackedLinear((torch.randn(H, I, generator=g) * 0.02).to(dtype), 4096)) for _ in range(E)]
@@ -103,14 +124,8 @@ def compare(kernel: str, old: Path | None, tokens: list[int], layers: int, H: in
             outs = {k: run_layers(wrapper, m, x, top_w, top_i, banks, sets[k]) for k, m in builds.items()}
             if not all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"])):
                 raise SystemExit(f"kernel_ab: the two builds' outputs differ at {T} tokens: not the same bits")
-            times: dict[str, list[float]] = {"old": [], "new": []}
-            for _ in range(repeats):
-                for k, m in builds.items():
-                    t0 = time.perf_counter()
-                    run_layers(wrapper, m, x, top_w, top_i, banks, sets[k])
-                    times[k].append((time.perf_counter() - t0) / layers)
-            r = {"tokens": T, "old_ms": median(times["old"]) * 1e3, "new_ms": median(times["new"]) * 1e3}
-            r["old_over_new"] = r["old_ms"] / r["new_ms"]
+            r = {"tokens": T, **alternated(lambda k: run_layers(wrapper, builds[k], x, top_w, top_i, banks, sets[k]),
+                                           repeats, layers)}
             rows.append(r)
             print(f"{kernel} {T:6d} tokens: old {r['old_ms']:8.3f} ms a layer  new {r['new_ms']:8.3f}  "
                   f"old/new {r['old_over_new']:.3f}  (same bits)", flush=True)
@@ -122,12 +137,8 @@ def compare(kernel: str, old: Path | None, tokens: list[int], layers: int, H: in
 def compare_linear(old: Path | None, shapes: list[tuple[int, int, int]], repeats: int) -> list[dict[str, Any]]:
     """Per shape (M, K, N): ms a call of the old build of _linear_amx (None: this tree's) and of
     this tree's on the same packed weight and rows, and their ratio; outputs equal first."""
-    built = linear_amx._module()
-    if built is None:
-        raise SystemExit("kernel_ab: this tree's _linear_amx does not run here")
-    new_path = Path(built.__file__)
-    builds = {"old": load_build(old or new_path, "_linear_amx"), "new": load_build(new_path, "_linear_amx")}
     own, g, rows = linear_amx._module, torch.Generator().manual_seed(1), []
+    builds = two_builds(linear_amx, "_linear_amx", old)
 
     def calls(mod: ModuleType, x: torch.Tensor, w: PackedLinear, n: int) -> torch.Tensor:
         linear_amx._module = lambda: mod
@@ -141,14 +152,7 @@ def compare_linear(old: Path | None, shapes: list[tuple[int, int, int]], repeats
             x = torch.randn(M, Kin, generator=g).to(torch.bfloat16)  # [M, K]
             if not torch.equal(calls(builds["old"], x, w, 1), calls(builds["new"], x, w, 1)):
                 raise SystemExit(f"kernel_ab: the two builds' outputs differ at {M}x{Kin}x{N}: not the same bits")
-            times: dict[str, list[float]] = {"old": [], "new": []}
-            for _ in range(repeats):
-                for k, m in builds.items():
-                    t0 = time.perf_counter()
-                    calls(m, x, w, 5)
-                    times[k].append((time.perf_counter() - t0) / 5)
-            r = {"shape": [M, Kin, N], "old_ms": median(times["old"]) * 1e3, "new_ms": median(times["new"]) * 1e3}
-            r["old_over_new"] = r["old_ms"] / r["new_ms"]
+            r = {"shape": [M, Kin, N], **alternated(lambda k: calls(builds[k], x, w, 5), repeats, 5)}
             rows.append(r)
             print(f"linear {M}x{Kin}x{N}: old {r['old_ms']:8.3f} ms a call  new {r['new_ms']:8.3f}  "
                   f"old/new {r['old_over_new']:.3f}  (same bits)", flush=True)
