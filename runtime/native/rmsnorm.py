@@ -70,17 +70,23 @@ def _run(mod: Any, x: torch.Tensor, w: torch.Tensor, eps: float, lanes: int) -> 
     return out if rc == 0 else None
 
 
+def _pass(w: torch.Tensor, H: int, dtype: torch.dtype) -> tuple[Any, int] | None:
+    """The extension and torch's sum width for rows of H elements of `dtype` normalised by w, or
+    None where the pass does not take them (a dtype other than fp32 / bf16, w not [H] contiguous
+    on the host in that dtype, rows wider than the pass takes, not built, a sum it does not know)."""
+    if (dtype not in DTYPE_CODES or w.dtype != dtype or w.device.type != "cpu" or w.shape != (H,)
+            or not w.is_contiguous() or H > MAX_WIDTH):
+        return None
+    mod, lanes = _module(), sum_lanes()
+    return None if mod is None or lanes is None else (mod, lanes)
+
+
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     """w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype) over the last dimension.
     x: [..., H] (rows contiguous, any row stride when 2-D)  w: [H], x's dtype -> [..., H]
     contiguous, or None (not done)."""
-    if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype not in DTYPE_CODES or w.dtype != x.dtype
-            or x.dim() < 1 or w.shape != (x.shape[-1],) or not w.is_contiguous() or x.shape[-1] > MAX_WIDTH):
-        return None
-    mod, lanes = _module(), sum_lanes()
-    if mod is None or lanes is None:
-        return None
-    return _run(mod, x, w, eps, lanes)
+    found = _pass(w, x.shape[-1], x.dtype) if x.device.type == "cpu" and x.dim() >= 1 else None
+    return None if found is None else _run(found[0], x, w, eps, found[1])
 
 
 def _rows(x: torch.Tensor, H: int) -> bool:
@@ -96,13 +102,13 @@ def add_rmsnorm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float, s
     bf16). False, nothing written, where it does not apply (as `rmsnorm`, or other shapes)."""
     R, H = a.shape if a.dim() == 2 else (0, 0)
     if (not all(_rows(t, H) for t in (a, b, sum_out, out)) or b.shape != a.shape or sum_out.shape != a.shape
-            or out.shape != a.shape or not out.is_contiguous() or a.dtype not in DTYPE_CODES
-            or any(t.dtype != a.dtype for t in (b, sum_out, out, w)) or w.shape != (H,) or not w.is_contiguous()
-            or w.device.type != "cpu" or H > MAX_WIDTH or H == 0):
+            or out.shape != a.shape or not out.is_contiguous() or any(t.dtype != a.dtype for t in (b, sum_out, out))
+            or H == 0):
         return False
-    mod, lanes = _module(), sum_lanes()
-    if mod is None or lanes is None:
+    found = _pass(w, H, a.dtype)
+    if found is None:
         return False
+    mod, lanes = found
     rc = mod.add_rmsnorm(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), sum_out.data_ptr(), sum_out.stride(0),
                          R, H, w.data_ptr(), float(eps), out.data_ptr(), DTYPE_CODES[a.dtype],
                          lanes if H >= lanes else 1, torch.get_num_threads())
