@@ -30,6 +30,7 @@ static const TileCfg CFG __attribute__((aligned(64))) = {
 enum { KB = 32, KBLK = 8 };
 static long MB, A1, A2, A3;  /* the mode's numbers, in the order of the usage above */
 static int MODE;             /* 0 read, 1 amx-one, 2 amx-two */
+static volatile float sink;
 
 static double now(void) {
     struct timespec t;
@@ -58,7 +59,8 @@ __attribute__((target("avx512f,fma"))) static double read_streams(char *b, long 
     const double dt = now() - t0;
     float r = 0.f;
     for (int i = 0; i < 8; i++) r += _mm512_reduce_add_ps(acc[i]);
-    return dt + 0.0 * r;
+    sink = r;  /* the sums are used: the loop is not optimised away */
+    return dt;
 }
 
 static __thread float cb[32][4][256] __attribute__((aligned(64)));
@@ -114,16 +116,18 @@ static void *run(void *arg) {
         const double dt = MODE == 0 ? read_streams(b, size) : tiles(b, size, a);
         best = dt < best ? dt : best;
     }
-    printf("%s %ld %ld %ld, %ld MB: %.1f GB/s a thread\n", MODE == 0 ? "read" : MODE == 1 ? "amx-one" : "amx-two",
-           A1, A2, MODE == 0 ? A3 : 0L, MB, size / best / 1e9);
+    if (MODE == 0) printf("read: %ld streams, work %ld, prefetch %ld B, %ld MB: %.1f GB/s a thread\n", A1, A2, A3, MB,
+                          size / best / 1e9);
+    else printf("%s: %ld row tiles, prefetch %ld B, %ld MB: %.1f GB/s a thread\n", MODE == 1 ? "amx-one" : "amx-two", A1,
+                A2, MB, size / best / 1e9);
     free(a);
     free(b);
     return NULL;
 }
 
 int main(int argc, char **argv) {
-    const int nargs = argc > 1 && !strcmp(argv[1], "read") ? 5 : 4;
-    if (argc < nargs + 1 + 0 || (strcmp(argv[1], "read") && strcmp(argv[1], "amx-one") && strcmp(argv[1], "amx-two"))) {
+    const int nargs = argc > 1 && !strcmp(argv[1], "read") ? 5 : 4;  /* the mode and its required numbers */
+    if (argc < nargs + 1 || (strcmp(argv[1], "read") && strcmp(argv[1], "amx-one") && strcmp(argv[1], "amx-two"))) {
         fprintf(stderr, "usage: see the header of bench/micro/weight_stream.c\n");
         return 2;
     }
