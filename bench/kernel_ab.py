@@ -79,6 +79,19 @@ def alternated(run: Callable[[str], object], repeats: int, per: int) -> dict[str
     return r
 
 
+def checked_row(key: dict[str, Any], label: str, at: str, unit: str, same: bool, run: Callable[[str], object],
+                repeats: int, per: int) -> dict[str, Any]:
+    """One case's row: refused (SystemExit) unless the builds' outputs were the same bits (`same`,
+    `at` names the case), then `key` with `alternated(run, repeats, per)`, printed as `label`'s
+    line (ms a `unit`)."""
+    if not same:
+        raise SystemExit(f"kernel_ab: the two builds' outputs differ at {at}: not the same bits")
+    r = {**key, **alternated(run, repeats, per)}
+    print(f"{label}: old {r['old_ms']:8.3f} ms a {unit}  new {r['new_ms']:8.3f}  "
+          f"old/new {r['old_over_new']:.3f}  (same bits)", flush=True)
+    return r
+
+
 def run_layers(wrapper: ModuleType, mod: ModuleType, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
                banks: list[list[tuple[Any, ...]]], settings: dict[str, int] | None = None) -> list[torch.Tensor]:
     """Every layer's experts through build `mod` (wrapper's `layer`), with the wrapper's `settings`
@@ -122,13 +135,10 @@ def compare(kernel: str, old: Path | None, tokens: list[int], layers: int, H: in
             x = torch.randn(T, H, generator=g).to(dtype)  # [T, H]
             top_w, top_i = torch.topk(torch.randn(T, E, generator=g).softmax(-1), K)  # [T, k]
             outs = {k: run_layers(wrapper, m, x, top_w, top_i, banks, sets[k]) for k, m in builds.items()}
-            if not all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"])):
-                raise SystemExit(f"kernel_ab: the two builds' outputs differ at {T} tokens: not the same bits")
-            r = {"tokens": T, **alternated(lambda k: run_layers(wrapper, builds[k], x, top_w, top_i, banks, sets[k]),
-                                           repeats, layers)}
-            rows.append(r)
-            print(f"{kernel} {T:6d} tokens: old {r['old_ms']:8.3f} ms a layer  new {r['new_ms']:8.3f}  "
-                  f"old/new {r['old_over_new']:.3f}  (same bits)", flush=True)
+            same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
+            rows.append(checked_row({"tokens": T}, f"{kernel} {T:6d} tokens", f"{T} tokens", "layer", same,
+                                    lambda k: run_layers(wrapper, builds[k], x, top_w, top_i, banks, sets[k]),
+                                    repeats, layers))
     finally:
         wrapper._module = own
     return rows
@@ -150,12 +160,9 @@ def compare_linear(old: Path | None, shapes: list[tuple[int, int, int]], repeats
         for M, Kin, N in shapes:
             w = PackedLinear((torch.randn(N, Kin, generator=g) * 0.02).to(torch.bfloat16), 4096)
             x = torch.randn(M, Kin, generator=g).to(torch.bfloat16)  # [M, K]
-            if not torch.equal(calls(builds["old"], x, w, 1), calls(builds["new"], x, w, 1)):
-                raise SystemExit(f"kernel_ab: the two builds' outputs differ at {M}x{Kin}x{N}: not the same bits")
-            r = {"shape": [M, Kin, N], **alternated(lambda k: calls(builds[k], x, w, 5), repeats, 5)}
-            rows.append(r)
-            print(f"linear {M}x{Kin}x{N}: old {r['old_ms']:8.3f} ms a call  new {r['new_ms']:8.3f}  "
-                  f"old/new {r['old_over_new']:.3f}  (same bits)", flush=True)
+            same = torch.equal(calls(builds["old"], x, w, 1), calls(builds["new"], x, w, 1))
+            rows.append(checked_row({"shape": [M, Kin, N]}, f"linear {M}x{Kin}x{N}", f"{M}x{Kin}x{N}", "call", same,
+                                    lambda k: calls(builds[k], x, w, 5), repeats, 5))
     finally:
         linear_amx._module = own
     return rows
