@@ -26,6 +26,9 @@ Three floors, in seconds (the table's shares are of `per_step`):
   - `per_step`: that max taken per step and summed (each step's reads overlap its own arithmetic);
   - `serial`: arithmetic / rate + bytes / read rate (a core that never computes and reads at
     once, each at its best rate).
+And the most of peers.py's roofline steady decode can reach (decode's arithmetic at the rate over
+its per-step floor): where a decode step's bytes take longer at the read rate than its arithmetic
+at the rate, no engine's steady decode reaches the roofline's tokens/s.
 """
 
 from __future__ import annotations
@@ -198,7 +201,9 @@ def priced(result: dict[str, Any], m: Shapes, reqs: list[tuple[list[int], int]],
     return {"flops_per_s": rate, "flops": {k: w.flops for k, w in work.items()},
             "bytes": {k: w.bytes for k, w in work.items()}, "floors_s": fl,
             "moecc_of_floor": fl["per_step"] / moecc["seconds"], "peer_of_floor": fl["per_step"] / peer["seconds"],
-            "need_of_floor": fl["per_step"] * TARGET / peer["seconds"]}
+            "need_of_floor": fl["per_step"] * TARGET / peer["seconds"],
+            # steady decode's share of peers.py's roofline (arithmetic at `rate`) can be no more than this
+            "decode_best_of_roofline": work["decode"].flops / rate / work["decode"].per_step}
 
 
 def cell(result: dict[str, Any], step_tokens: int, seed: int, rates: dict[str, float | None], bw: float
@@ -217,8 +222,8 @@ def cell(result: dict[str, Any], step_tokens: int, seed: int, rates: dict[str, f
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("| cell (result) | moecc s | best peer s | 1.3x needs s | at | floors s: roofline / per step / serial "
-          "| per-step floor as a share of moecc / peer / 1.3x |")
-    print("|---|---|---|---|---|---|---|")
+          "| per-step floor as a share of moecc / peer / 1.3x | decode's best share of the roofline |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         for i, (name, p) in enumerate(r["at"].items()):
             f = p["floors_s"]
@@ -226,7 +231,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                                          f"| {r['need_s']:.2f} ")
             print(head + f"| {name} {p['flops_per_s'] / 1e9:.0f} GFLOP/s "
                   f"| {f['roofline']:.2f} / {f['per_step']:.2f} / {f['serial']:.2f} "
-                  f"| {p['moecc_of_floor']:.0%} / {p['peer_of_floor']:.0%} / {p['need_of_floor']:.0%} |")
+                  f"| {p['moecc_of_floor']:.0%} / {p['peer_of_floor']:.0%} / {p['need_of_floor']:.0%} "
+                  f"| {p['decode_best_of_roofline']:.0%} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,3 +65,6 @@ def test_a_result_priced_into_shares():
     assert p["moecc_of_floor"] == pytest.approx(floor / 2.0)
     assert p["peer_of_floor"] == pytest.approx(floor / 3.0)
     assert p["need_of_floor"] == pytest.approx(floor * 1.3 / 3.0)
+    # every decode step of this tiny job reads longer than it computes: the best share is the ratio
+    assert p["decode_best_of_roofline"] == pytest.approx((p["flops"]["decode"] / 1e12) / (p["bytes"]["decode"] / 2e10))
+    assert 0 < p["decode_best_of_roofline"] < 1
