@@ -3,7 +3,7 @@ the job's arithmetic and its unavoidable memory traffic counted from the model's
 job's prompts, priced at rates measured now, in the same run. Says what 1.3x the best peer asks
 of moecc against that floor, and where moecc and the peer stand.
 
-    python bench/bounds.py bench/results/2026-12-05-peers-*-s18.json [--json PATH]
+    python bench/bounds.py bench/results/2026-12-06-peers-*-s19.json [--json PATH]
 
 Counted (a lower bound: nothing a real engine can skip, nothing it could avoid):
   - arithmetic: every weight matmul a token goes through (attention's q/k/v/o, the router, its
@@ -259,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"source": path.name, **cell(r, a.step_tokens, a.seed, rates, bw)})
     print_table(rows)
     out = a.json or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-bounds.json"
-    rates = {"read_bytes_per_s": bw, "gemm_flops_per_s": {f"{p} {d}": r for (p, d), r in gemm.items()},
-             "ceiling_flops_per_s": ceiling}
+    measured = {"read_bytes_per_s": bw, "gemm_flops_per_s": {f"{p} {d}": r for (p, d), r in gemm.items()},
+                "ceiling_flops_per_s": ceiling}
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "threads": threads, "step_tokens": a.step_tokens,
-                               **rates, "cells": rows}, indent=1) + "\n")
+                               **measured, "cells": rows}, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
