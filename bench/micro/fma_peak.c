@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#define ACC 12      /* independent accumulators: 4-cycle latency x 2 units, with room */
+#define ACC 12      /* independent accumulators (FMA12 and INIT below name them): 4-cycle latency x 2 units */
 #define INNER 4096  /* loop trips between clock reads */
 
 static double seconds_limit;
