@@ -12,7 +12,7 @@
  *       one row tile x two slices from opposite halves of the weights a pass: two streams
  * Weights: MB (default 176) MB, K = 1,024 inputs (32 steps); MB = 1 keeps them in L2. Prints
  * GB/s of weights (or bytes) a thread; the sums are not checked (timing only). Linux x86-64,
- * GCC 11+, a CPU with AMX for the amx modes. */
+ * GCC 11+ (it builds on runtime/native/amx.h), a CPU with AMX for the amx modes. */
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <pthread.h>
@@ -20,13 +20,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
-typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileCfg;
-static const TileCfg CFG __attribute__((aligned(64))) = {
-    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+#include "../../runtime/native/amx.h"  /* the runtime's tile configuration (tiles_on) and amx_ready */
+#ifndef HAVE_AMX
+#error "weight_stream needs a compiler with the AMX target (GCC 11 / Clang 12 or newer, Linux x86-64)"
+#endif
+
 enum { KB = 32, KBLK = 8 };
 static long MB, A1, A2, A3;  /* the mode's numbers, in the order of the usage above */
 static int MODE;             /* 0 read, 1 amx-one, 2 amx-two */
@@ -66,9 +67,9 @@ __attribute__((target("avx512f,fma"))) static double read_streams(char *b, long 
 static __thread float cb[32][4][256] __attribute__((aligned(64)));
 
 /* The tile loop over `size` bytes of weights, slices of 32 outputs x K (64 KB each). */
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) static double tiles(char *b, long size, const uint16_t *a) {
+AMX_TARGET static double tiles(char *b, long size, const uint16_t *a) {
     const long MT = A1, pf = A2, slice = KB * 2048, nsl = size / slice / 2 * 2;
-    _tile_loadconfig(&CFG);
+    tiles_on();
     const double t0 = now();
     for (long s = 0; s < (MODE == 1 ? nsl : nsl / 2); s++) {
         const uint16_t *b0 = (const uint16_t *)(b + s * slice), *c0 = (const uint16_t *)(b + (nsl / 2 + s) * slice);
@@ -140,7 +141,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "weight_stream: streams / row tiles 1-32, threads 1-16, MB >= 1\n");
         return 2;
     }
-    if (MODE && syscall(SYS_arch_prctl, 0x1023, 18)) {
+    if (MODE && !amx_ready()) {
         fprintf(stderr, "weight_stream: no AMX here\n");
         return 2;
     }
