@@ -51,10 +51,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from amx_tiles import FLOPS_PER_PRODUCT, tile_ns  # noqa: E402
 from amx_tiles import build as build_amx_tiles  # noqa: E402
-from throughput import measure_gemm, write_prompts  # noqa: E402
+from throughput import attention_flops_per_token, measure_gemm, write_prompts  # noqa: E402
 
 TARGET = 1.3  #: issue 31's ratio over the best peer
-ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass
@@ -98,8 +97,9 @@ class Shapes:
         return 2.0 * self.H * self.vocab
 
     def attention_flops(self, positions: float) -> float:
-        """q.k and p.v of one token over `positions` positions, every layer."""
-        return 4.0 * positions * self.heads * self.head_dim * self.layers
+        """q.k and p.v of one token over `positions` positions, every layer (peers.py's roofline's count)."""
+        info = {"num_heads": self.heads, "head_dim": self.head_dim, "num_layers": self.layers}
+        return attention_flops_per_token(info, positions)
 
     def weight_elems(self) -> int:
         """Every weight a decode step reads: attention, router and all experts each layer, the lm_head."""
@@ -194,8 +194,8 @@ def priced(result: dict[str, Any], m: Shapes, reqs: list[tuple[list[int], int]],
            bw: float) -> dict[str, Any]:
     """The job's floors at arithmetic rate `rate`, with moecc's, the best peer's and TARGET x the
     peer's seconds each as the share of the per-step floor they are."""
-    work = job_work(m, [len(p) for p, _ in reqs], [o for _, o in reqs], ITEMSIZE[result["dtype"]], step_tokens,
-                    rate, bw)
+    itemsize = getattr(torch, result["dtype"]).itemsize
+    work = job_work(m, [len(p) for p, _ in reqs], [o for _, o in reqs], itemsize, step_tokens, rate, bw)
     fl = floors(work, rate, bw)
     moecc, peer = engines(result)
     return {"flops_per_s": rate, "flops": {k: w.flops for k, w in work.items()},
